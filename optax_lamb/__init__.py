@@ -1,0 +1,19 @@
+"""optax_lamb: the LAMB optimizer for JAX, as Optax transformations."""
+
+from optax_lamb._adam import scale_by_adam
+from optax_lamb._clipping import clip_by_global_norm
+from optax_lamb._decay import add_decayed_weights
+from optax_lamb._lamb import lamb
+from optax_lamb._trust_ratio import ScaleByTrustRatioState, scale_by_trust_ratio, trust_ratios
+
+__version__ = "0.1.0"
+
+__all__ = (
+  "ScaleByTrustRatioState",
+  "add_decayed_weights",
+  "clip_by_global_norm",
+  "lamb",
+  "scale_by_adam",
+  "scale_by_trust_ratio",
+  "trust_ratios",
+)

@@ -1,0 +1,83 @@
+"""Stage 1: Adam scaling, with optional bias correction and moment dtypes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lamb import _checks, _math, _tree
+
+
+def scale_by_adam(
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-6,
+  eps_root: float = 0.0,
+  *,
+  bias_correction: bool = True,
+  mu_dtype=None,
+  nu_dtype=None,
+) -> optax.GradientTransformation:
+  r"""Rescale updates by Adam's moment estimates.
+
+  .. math::
+    m_t = b_1 m_{t-1} + (1 - b_1) g_t, \quad v_t = b_2 v_{t-1} + (1 - b_2) g_t^2,
+    \quad u_t = \frac{m_t / (1 - b_1^t)}{\sqrt{v_t / (1 - b_2^t) + \epsilon_{root}} + \epsilon}
+
+  With ``bias_correction=False`` the two corrections are 1, as in Google's
+  original LAMB code. Moments are computed in float32 (at least) and stored in
+  ``mu_dtype`` / ``nu_dtype`` (default: the param dtype). The state is
+  :class:`optax.ScaleByAdamState`, so ``optax.scale_by_adam`` checkpoints load
+  into it and back.
+
+  Args:
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to the denominator outside the square root.
+    eps_root: added to the second moment inside the square root.
+    bias_correction: divide the moments by 1 - b^t.
+    mu_dtype: storage dtype of the first moment.
+    nu_dtype: storage dtype of the second moment.
+
+  Returns:
+    An :class:`optax.GradientTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.scale_by_adam()
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state)
+  """
+  _checks.check_in_unit_interval("b1", b1)
+  _checks.check_in_unit_interval("b2", b2)
+  _checks.check_non_negative("eps", eps)
+  _checks.check_non_negative("eps_root", eps_root)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+
+  def init_fn(params):
+    return optax.ScaleByAdamState(
+      count=jnp.zeros([], jnp.int32),
+      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+      nu=optax.tree.zeros_like(params, dtype=nu_dtype),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    _tree.check_same_structure(updates, "updates", state.mu, "the optimizer state (mu)")
+    count = optax.safe_increment(state.count)
+    bc1, bc2 = _math.bias_corrections(count, b1, b2, bias_correction)
+
+    def leaf(g, m, v):
+      m, v = _math.update_moments(g, m, v, b1, b2)
+      u = _math.adam_direction(m, v, bc1, bc2, eps, eps_root)
+      return u.astype(g.dtype), m, v
+
+    out = jax.tree.map(leaf, updates, state.mu, state.nu)
+    u, mu, nu = _tree.tree_unzip(out, jax.tree.structure(updates), 3)
+    mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state.mu)
+    nu = jax.tree.map(lambda new, old: new.astype(old.dtype), nu, state.nu)
+    return u, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,54 @@
+"""Stage 2: decoupled weight decay, u <- u + wd * p (inside the trust-ratio norm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lamb import _checks, _tree
+
+
+def add_decayed_weights(
+  weight_decay: optax.ScalarOrSchedule = 0.0,
+  mask: Any = None,
+) -> optax.GradientTransformation:
+  """Add ``weight_decay * params`` to the updates; ``weight_decay`` may be a schedule.
+
+  Same as :func:`optax.add_decayed_weights`, plus schedules: a callable
+  ``weight_decay`` is evaluated on a step count kept in an
+  :class:`optax.ScaleByScheduleState` (a float keeps :class:`optax.EmptyState`).
+
+  Args:
+    weight_decay: a non-negative float, array, or schedule ``step -> float``.
+    mask: pytree of bools (or a callable returning one) selecting the leaves that
+      decay; ``None`` decays every leaf. As in :func:`optax.masked`.
+
+  Returns:
+    An :class:`optax.GradientTransformation`.
+  """
+  _checks.check_non_negative("weight_decay", weight_decay)
+  is_schedule = callable(weight_decay)
+
+  def init_fn(params):
+    del params
+    if is_schedule:
+      return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+    _tree.check_same_structure(updates, "updates", params, "params")
+    if is_schedule:
+      wd = weight_decay(state.count)
+      state = optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+    else:
+      wd = weight_decay
+    updates = jax.tree.map(lambda u, p: (u + wd * p).astype(u.dtype), updates, params)
+    return updates, state
+
+  tx = optax.GradientTransformation(init_fn, update_fn)
+  return tx if mask is None else optax.masked(tx, mask)

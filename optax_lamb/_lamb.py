@@ -1,0 +1,134 @@
+"""The LAMB optimizer: clipping, Adam, decoupled weight decay, trust ratio, learning rate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from optax_lamb import _checks, _tree
+from optax_lamb._adam import scale_by_adam
+from optax_lamb._clipping import clip_by_global_norm
+from optax_lamb._decay import add_decayed_weights
+from optax_lamb._trust_ratio import scale_by_trust_ratio
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def lamb(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-6,
+  eps_root: float = 0.0,
+  weight_decay: optax.ScalarOrSchedule = 0.0,
+  mask: Any = None,
+  *,
+  bias_correction: bool = True,
+  trust_ratio_mask: Any = None,
+  min_trust_ratio: float | None = None,
+  max_trust_ratio: float | None = None,
+  max_grad_norm: float | None = None,
+  stacked_axes: Any = None,
+  mu_dtype: Any = None,
+  nu_dtype: Any = None,
+  axis_name: Any = None,
+  implementation: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+  r"""The LAMB optimizer (You et al. 2019), a drop-in for :func:`optax.lamb`.
+
+  For each leaf (or each stacked layer slice of a leaf):
+
+  .. math::
+    g &\leftarrow g \cdot \min(1, c / \|g\|_{global})  \quad \text{(if max\_grad\_norm = c)} \\
+    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
+    u &= \frac{m / (1 - b_1^t)}{\sqrt{v / (1 - b_2^t) + \epsilon_{root}} + \epsilon} + \lambda p \\
+    r &= \mathrm{clip}(\|p\| / \|u\|, r_{min}, r_{max}) \quad (r = 1 \text{ if either norm is } 0) \\
+    p &\leftarrow p - \eta_t \, r \, u
+
+  With the defaults this computes what ``optax.lamb(learning_rate)`` computes.
+  Its state is the tuple of the stage states, in order: clipping
+  (:class:`optax.EmptyState`), :class:`optax.ScaleByAdamState`, weight decay,
+  :class:`optax_lamb.ScaleByTrustRatioState` and the learning rate.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to the Adam denominator outside the square root.
+    eps_root: added to the second moment inside the square root.
+    weight_decay: decoupled weight decay (float or schedule), added to the
+      Adam direction and so inside the trust-ratio norm.
+    mask: weight-decay mask, a pytree of bools or callable(params), as in optax.
+    bias_correction: ``False`` gives u = m / (sqrt(v) + eps), as Google's code.
+    trust_ratio_mask: pytree of bools or callable(params): the leaves that get
+      layer adaptation; the others use ratio 1. ``None``: every leaf.
+    min_trust_ratio: lower clamp of the ratio, applied when both norms are non-zero.
+    max_trust_ratio: upper clamp of the ratio, applied when both norms are non-zero.
+    max_grad_norm: clip the gradients to this global norm before the moments.
+    stacked_axes: int, pytree of ints or callable(params): leading axes of a leaf
+      that index stacked layers (``nn.scan``/``nnx.scan``); each slice gets its
+      own trust ratio.
+    mu_dtype: storage dtype of the first moment (default: param dtype).
+    nu_dtype: storage dtype of the second moment (default: param dtype).
+    axis_name: mapped axis name(s) over which leaves are sharded inside
+      ``shard_map``/``pmap``; norms are ``psum``'d over them. ``None`` for
+      replicated or unsharded leaves.
+    implementation: ``"xla"``, ``"pallas"`` or ``"auto"`` (XLA for now).
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; its updates have the
+    params' dtypes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.zeros(3)}
+    >>> tx = optax_lamb.lamb(1e-3, weight_decay=0.01)
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
+    minutes <https://arxiv.org/abs/1904.00962>`_, 2020
+  """
+  _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+  if implementation == "pallas":
+    raise NotImplementedError(
+      "implementation='pallas' is not available yet: the fused Pallas kernel is not part of "
+      "this release. Use implementation='xla' (or 'auto')."
+    )
+  if max_grad_norm is not None:
+    _checks.check_positive("max_grad_norm", max_grad_norm)
+  _checks.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
+
+  stages = optax.chain(
+    clip_by_global_norm(max_grad_norm, axis_name=axis_name)
+    if max_grad_norm is not None
+    else optax.identity(),
+    scale_by_adam(
+      b1, b2, eps, eps_root, bias_correction=bias_correction, mu_dtype=mu_dtype, nu_dtype=nu_dtype
+    ),
+    add_decayed_weights(weight_decay, mask),
+    scale_by_trust_ratio(
+      mask=trust_ratio_mask,
+      min_ratio=min_trust_ratio,
+      max_ratio=max_trust_ratio,
+      stacked_axes=stacked_axes,
+      axis_name=axis_name,
+    ),
+    optax.scale_by_learning_rate(learning_rate),
+  )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("lamb needs params for the trust ratio: call update(grads, state, params)")
+    _tree.check_same_structure(updates, "updates (gradients)", params, "params")
+    updates, state = stages.update(updates, state, params)
+    updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(stages.init, update_fn)

@@ -1,0 +1,83 @@
+"""Pytree helpers: structure checks, per-leaf options, unzipping per-leaf tuples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def _paths(tree) -> list[str]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+  return [jax.tree_util.keystr(path) or "<root>" for path, _ in leaves]
+
+
+def check_same_structure(tree, tree_name: str, reference, reference_name: str) -> None:
+  """Raise a ValueError naming the paths that differ between two pytrees."""
+  if jax.tree.structure(tree) == jax.tree.structure(reference):
+    return
+  ours, theirs = _paths(tree), _paths(reference)
+  only_ours = [p for p in ours if p not in set(theirs)]
+  only_theirs = [p for p in theirs if p not in set(ours)]
+  details = []
+  if only_ours:
+    details.append(f"in {tree_name} but not in {reference_name}: {only_ours[:10]}")
+  if only_theirs:
+    details.append(f"in {reference_name} but not in {tree_name}: {only_theirs[:10]}")
+  if not details:
+    details.append(
+      f"same leaf paths, different containers: {jax.tree.structure(tree)} vs "
+      f"{jax.tree.structure(reference)}"
+    )
+  raise ValueError(
+    f"The structure of {tree_name} does not match {reference_name}; " + "; ".join(details)
+  )
+
+
+def resolve_per_leaf(option: Any, params: Any, default: Any) -> Any:
+  """A per-leaf option given as a value, a pytree (prefix) or a callable(params).
+
+  Returns a pytree with the structure of `params` whose leaves are the option's
+  value for each leaf (`default` where the option is None).
+  """
+  if option is None:
+    return jax.tree.map(lambda _: default, params)
+  if callable(option):
+    option = option(params)
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(option)):
+    return jax.tree.map(lambda _: option, params)
+  try:
+    return jax.tree.map(
+      lambda opt, leaf_tree: jax.tree.map(lambda _: default if opt is None else opt, leaf_tree),
+      option,
+      params,
+      is_leaf=lambda x: x is None,
+    )
+  except ValueError as e:
+    check_same_structure(option, "the per-leaf option", params, "params")
+    raise e
+
+
+def resolve_stacked_axes(stacked_axes: Any, params: Any) -> Any:
+  """Per-leaf number of leading stacked-layer axes, validated against leaf ranks."""
+  axes = resolve_per_leaf(stacked_axes, params, 0)
+
+  def check(path, k, leaf):
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+      raise ValueError(
+        f"stacked_axes must be a non-negative int per leaf, got {k!r} at {jax.tree_util.keystr(path)}"
+      )
+    if k > jax.numpy.ndim(leaf):
+      raise ValueError(
+        f"stacked_axes={k} at {jax.tree_util.keystr(path)} exceeds the leaf's rank "
+        f"{jax.numpy.ndim(leaf)} (shape {jax.numpy.shape(leaf)})"
+      )
+    return k
+
+  return jax.tree_util.tree_map_with_path(check, axes, params)
+
+
+def tree_unzip(out: Any, treedef: Any, n: int) -> tuple[Any, ...]:
+  """Split a tree (of structure `treedef`) whose leaves are n-tuples into n trees."""
+  columns = treedef.flatten_up_to(out)
+  return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
