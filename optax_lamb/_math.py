@@ -28,12 +28,14 @@ def update_moments(g, m, v, b1, b2):
 
 
 def bias_corrections(count, b1, b2, enabled: bool = True):
-  """(1 - b1^t, 1 - b2^t) in float32, or (1, 1) with bias correction off."""
+  """(1 - b1^t, 1 - b2^t), or (1, 1) with bias correction off.
+
+  Written as optax writes it (`1 - decay**count`), so results match optax bit for bit.
+  """
   if not enabled:
     one = jnp.ones((), jnp.float32)
     return one, one
-  t = jnp.asarray(count)
-  return 1 - jnp.asarray(b1, jnp.float32) ** t, 1 - jnp.asarray(b2, jnp.float32) ** t
+  return 1 - b1**count, 1 - b2**count
 
 
 def adam_direction(m, v, bc1, bc2, eps, eps_root):

@@ -11,3 +11,14 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def fresh_rng():
+  """A NumPy generator with a seed drawn for this run; the seed is printed on failure."""
+  seed = int(np.random.SeedSequence().entropy % (2**32))
+  print(f"fresh_rng seed: {seed}")
+  return np.random.default_rng(seed)

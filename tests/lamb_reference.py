@@ -1,0 +1,121 @@
+"""An independent float64 NumPy LAMB, written from the paper, for the tests.
+
+You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2 (LAMB):
+
+  paper            here
+  x_t^(i)          params[name] (layer i = one leaf, or one slice of a stacked leaf)
+  g_t              grads[name]
+  beta_1, beta_2   b1, b2
+  m_t, v_t         m[name], v[name]
+  m_hat, v_hat     m / (1 - b1^t), v / (1 - b2^t)   (1 and 1 with bias_correction=False)
+  r_t              adam = m_hat / (sqrt(v_hat + eps_root) + eps)
+  lambda           weight_decay (only where the decay mask is True)
+  phi(z) = z       the identity; clamped to [min_ratio, max_ratio] when given
+  eta_t            lr(t - 1)  (optax schedules see the 0-based step count)
+
+  x_{t+1} = x_t - eta_t * phi(||x_t||) / ||r_t + lambda x_t|| * (r_t + lambda x_t)
+
+with the ratio 1 when either norm is zero, and global-norm clipping of g_t before
+the moments when max_grad_norm is given. Plain dicts of NumPy arrays only: no jax,
+no optax, no code shared with the library.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _as_fn(x):
+  return x if callable(x) else (lambda step: x)
+
+
+class NumpyLamb:
+  """Float64 LAMB on a flat dict of arrays."""
+
+  def __init__(
+    self,
+    learning_rate,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-6,
+    eps_root=0.0,
+    weight_decay=0.0,
+    decay_mask=None,
+    bias_correction=True,
+    adapt_mask=None,
+    min_ratio=None,
+    max_ratio=None,
+    max_grad_norm=None,
+    stacked_axes=None,
+  ):
+    self.lr = _as_fn(learning_rate)
+    self.wd = _as_fn(weight_decay)
+    self.b1, self.b2, self.eps, self.eps_root = b1, b2, eps, eps_root
+    self.decay_mask = decay_mask or {}
+    self.adapt_mask = adapt_mask or {}
+    self.bias_correction = bias_correction
+    self.min_ratio, self.max_ratio = min_ratio, max_ratio
+    self.max_grad_norm = max_grad_norm
+    self.stacked_axes = stacked_axes or {}
+    self.t = 0
+    self.m = self.v = None
+    self.ratios = {}
+    # Condition number of each ratio: (||adam|| + ||wd x||) / ||adam + wd x||, worst layer.
+    # Float32 rounding of u is amplified by it when the decay cancels the Adam step.
+    self.ratio_condition = {}
+
+  def _layer_ratio(self, x, u):
+    """phi(||x||) / ||u|| for one layer, with the zero-norm and clamp rules."""
+    x_norm = np.sqrt(np.sum(x * x))
+    u_norm = np.sqrt(np.sum(u * u))
+    if x_norm == 0.0 or u_norm == 0.0:
+      return 1.0
+    ratio = x_norm / u_norm
+    if self.min_ratio is not None:
+      ratio = max(ratio, self.min_ratio)
+    if self.max_ratio is not None:
+      ratio = min(ratio, self.max_ratio)
+    return ratio
+
+  def step(self, params, grads):
+    params = {k: np.asarray(p, np.float64) for k, p in params.items()}
+    grads = {k: np.asarray(g, np.float64) for k, g in grads.items()}
+    if self.m is None:
+      self.m = {k: np.zeros_like(p) for k, p in params.items()}
+      self.v = {k: np.zeros_like(p) for k, p in params.items()}
+    step_count = self.t  # what an optax schedule sees
+    self.t += 1
+    if self.max_grad_norm is not None:
+      global_norm = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
+      if global_norm > self.max_grad_norm:
+        grads = {k: g * self.max_grad_norm / global_norm for k, g in grads.items()}
+    if self.bias_correction:
+      bc1, bc2 = 1 - self.b1**self.t, 1 - self.b2**self.t
+    else:
+      bc1 = bc2 = 1.0
+    lr, wd = self.lr(step_count), self.wd(step_count)
+    new_params = {}
+    for k, x in params.items():
+      g = grads[k]
+      self.m[k] = self.b1 * self.m[k] + (1 - self.b1) * g
+      self.v[k] = self.b2 * self.v[k] + (1 - self.b2) * g * g
+      m_hat, v_hat = self.m[k] / bc1, self.v[k] / bc2
+      u = m_hat / (np.sqrt(v_hat + self.eps_root) + self.eps)
+      adam = u
+      if self.decay_mask.get(k, True):
+        u = u + wd * x
+      k_axes = self.stacked_axes.get(k, 0)
+      layers_shape = x.shape[:k_axes]
+      ratio = np.ones(layers_shape)
+      condition = 1.0
+      if self.adapt_mask.get(k, True):
+        for idx in np.ndindex(*layers_shape):
+          ratio[idx] = self._layer_ratio(x[idx], u[idx])
+          u_norm = np.linalg.norm(u[idx])
+          if u_norm > 0:
+            parts = np.linalg.norm(adam[idx]) + np.linalg.norm(u[idx] - adam[idx])
+            condition = max(condition, parts / u_norm)
+      self.ratio_condition[k] = condition
+      self.ratios[k] = ratio
+      new_params[k] = x - lr * ratio.reshape(layers_shape + (1,) * (x.ndim - k_axes)) * u
+    return new_params
