@@ -108,7 +108,9 @@ CASES = {
     ),
   ),
   "decay_clamp_stacked_clip": (
-    dict(weight_decay=0.01, min_trust_ratio=0.1, max_grad_norm=1.0, stacked_axes=full_tree(STACKED, 0)),
+    dict(
+      weight_decay=0.01, min_trust_ratio=0.1, max_grad_norm=1.0, stacked_axes=full_tree(STACKED, 0)
+    ),
     dict(weight_decay=0.01, min_ratio=0.1, max_grad_norm=1.0, stacked_axes=STACKED),
   ),
 }

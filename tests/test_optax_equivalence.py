@@ -45,7 +45,12 @@ def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
     dict(learning_rate=1e-2),
     dict(learning_rate=1e-2, weight_decay=0.05),
     dict(learning_rate=optax.cosine_decay_schedule(1e-2, 20), b1=0.8, b2=0.99, eps=1e-4),
-    dict(learning_rate=1e-2, weight_decay=0.1, eps_root=1e-8, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    dict(
+      learning_rate=1e-2,
+      weight_decay=0.1,
+      eps_root=1e-8,
+      mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+    ),
   ],
 )
 def test_lamb_equals_optax_lamb(kwargs, fresh_rng):
