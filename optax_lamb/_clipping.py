@@ -8,26 +8,37 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _math
+from optax_lamb import _checks, _math, _tree
 
 
 def global_sq_norm(tree: Any, axis_name: Any = None) -> jax.Array:
-  """Sum of squares over every leaf in float32; psum'd over `axis_name` (sharded leaves)."""
-  total = sum((_math.sq_norm(x) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
-  return _math.psum_if(total, axis_name)
+  """Sum of squares over every leaf in float32, each leaf psum'd over its axis names.
+
+  `axis_name` is resolved per leaf (see :func:`optax_lamb.clip_by_global_norm`);
+  the leaves are summed locally per axis name, then one ``psum`` per name.
+  """
+  partial: dict[Any, jax.Array] = {}
+  for x, name in zip(jax.tree.leaves(tree), _tree.resolve_axis_names(axis_name, tree), strict=True):
+    partial[name] = partial.get(name, jnp.zeros((), jnp.float32)) + _math.sq_norm(x)
+  return sum(
+    (_math.psum_if(total, name) for name, total in partial.items()), jnp.zeros((), jnp.float32)
+  )
 
 
 def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.GradientTransformation:
   """Scale the updates so their global norm is at most ``max_norm``.
 
   Like :func:`optax.clip_by_global_norm`, but the norm is accumulated in float32
-  (no overflow for float16 gradients), and with ``axis_name`` the sum of squares
-  is ``psum``'d over that named axis, for leaves sharded inside ``shard_map``.
-  Clip after the gradients have been all-reduced.
+  (no overflow for float16 gradients), and with ``axis_name`` each leaf's sum of
+  squares is ``psum``'d over the mapped axes that leaf is sharded over, for
+  leaves sharded inside ``shard_map``/``pmap``. Clip after the gradients have
+  been all-reduced (``pmean``/``psum_scatter``).
 
   Args:
     max_norm: the largest global norm allowed, > 0.
-    axis_name: name (or tuple of names) of the mapped axes the leaves are sharded over.
+    axis_name: the mapped axes the leaves are sharded over: a name, a tuple of
+      names, or per leaf a pytree prefix / callable(updates) of those with
+      ``None`` for replicated leaves. ``None``: no leaf is sharded.
 
   Returns:
     An :class:`optax.GradientTransformation` with :class:`optax.EmptyState`.

@@ -73,8 +73,11 @@ def lamb(
     mu_dtype: storage dtype of the first moment (default: param dtype).
     nu_dtype: storage dtype of the second moment (default: param dtype).
     axis_name: mapped axis name(s) over which leaves are sharded inside
-      ``shard_map``/``pmap``; norms are ``psum``'d over them. ``None`` for
-      replicated or unsharded leaves.
+      ``shard_map``/``pmap``; the squared norms (global clipping norm, trust-ratio
+      norms) are ``psum``'d over them. A name or tuple of names for every leaf,
+      or per leaf a pytree prefix / callable(params) of those with ``None`` for
+      replicated leaves. ``None`` (default): no leaf is sharded, as under
+      ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
     implementation: ``"xla"``, ``"pallas"`` or ``"auto"`` (XLA for now).
 
   Returns:

@@ -81,3 +81,38 @@ def tree_unzip(out: Any, treedef: Any, n: int) -> tuple[Any, ...]:
   """Split a tree (of structure `treedef`) whose leaves are n-tuples into n trees."""
   columns = treedef.flatten_up_to(out)
   return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
+
+
+def is_axis_name(x: Any) -> bool:
+  """True for one mapped-axis name (a str), a tuple of names, or None (not sharded)."""
+  if x is None or isinstance(x, str):
+    return True
+  return type(x) is tuple and len(x) > 0 and all(isinstance(a, str) for a in x)
+
+
+def resolve_axis_names(axis_name: Any, tree: Any) -> list[Any]:
+  """Per-leaf mapped-axis names, one per leaf of `tree` (in `jax.tree.leaves` order).
+
+  `axis_name` is one name (str), a tuple of names, None, a pytree prefix of
+  `tree` whose leaves are such values, or a callable(tree) returning one.
+  """
+  if callable(axis_name):
+    axis_name = axis_name(tree)
+  n_leaves = len(jax.tree.leaves(tree))
+  if is_axis_name(axis_name):
+    return [axis_name] * n_leaves
+  with_paths, names_def = jax.tree_util.tree_flatten_with_path(axis_name, is_leaf=is_axis_name)
+  try:
+    subtrees = names_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    check_same_structure(axis_name, "axis_name", tree, "params")
+    raise ValueError(f"axis_name is not a pytree prefix of the params: {e}") from e
+  out = []
+  for (path, name), sub in zip(with_paths, subtrees, strict=True):
+    if not is_axis_name(name):
+      raise ValueError(
+        f"axis_name must be None, a str or a tuple of str per leaf, got {name!r} at "
+        f"{jax.tree_util.keystr(path) or '<root>'}"
+      )
+    out.extend([name] * len(jax.tree.leaves(sub)))
+  return out

@@ -49,7 +49,10 @@ def scale_by_trust_ratio(
       that index stacked layers (``nn.scan``); each slice gets its own ratio.
     axis_name: mapped axis name(s) the leaves are sharded over (``shard_map``,
       ``pmap``); the squared norms are ``psum``'d over them before the sqrt.
-      Leave it ``None`` for replicated leaves.
+      One name or a tuple of names for every leaf, or per leaf a pytree prefix
+      / callable(params) of those, with ``None`` for replicated leaves (and for
+      stacked leaves sharded along their stacked axes, which hold whole layers).
+      ``None``: no leaf is sharded.
 
   Returns:
     An :class:`optax.GradientTransformation` whose state holds the last ratios
@@ -81,12 +84,12 @@ def scale_by_trust_ratio(
     _tree.check_same_structure(updates, "updates", params, "params")
     adapt, axes = leaf_options(params)
 
-    def leaf(u, p, k, adapts):
+    def leaf(u, p, k, adapts, name):
       if not adapts:
         return u, jnp.ones(jnp.shape(p)[:k], jnp.float32)
       r = _math.trust_ratio(
-        _math.psum_if(_math.sq_norm(p, k), axis_name),
-        _math.psum_if(_math.sq_norm(u, k), axis_name),
+        _math.psum_if(_math.sq_norm(p, k), name),
+        _math.psum_if(_math.sq_norm(u, k), name),
         min_norm=min_norm,
         trust_coefficient=trust_coefficient,
         eps=eps,
@@ -96,8 +99,12 @@ def scale_by_trust_ratio(
       scaled = u.astype(_math.compute_dtype(u.dtype)) * _math.broadcast_ratio(r, u)
       return scaled.astype(u.dtype), r
 
-    out = jax.tree.map(leaf, updates, params, axes, adapt)
-    updates, ratios = _tree.tree_unzip(out, jax.tree.structure(updates), 2)
+    treedef = jax.tree.structure(updates)
+    names = _tree.resolve_axis_names(axis_name, params)
+    columns = [treedef.flatten_up_to(t) for t in (updates, params, axes, adapt)]
+    results = [leaf(*args) for args in zip(*columns, names, strict=True)]
+    updates = jax.tree.unflatten(treedef, [u for u, _ in results])
+    ratios = jax.tree.unflatten(treedef, [r for _, r in results])
     return updates, ScaleByTrustRatioState(ratios=ratios)
 
   return optax.GradientTransformation(init_fn, update_fn)
