@@ -11,7 +11,7 @@ from optax_lamb import _checks, _faults, _tree, _validate
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
-from optax_lamb._mixed_precision import with_master_weights
+from optax_lamb._mixed_precision import with_float32_gradients, with_master_weights
 from optax_lamb._trust_ratio import scale_by_trust_ratio
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -149,7 +149,7 @@ def lamb(
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     return updates, state
 
-  tx = optax.GradientTransformationExtraArgs(stages.init, update_fn)
+  tx = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))
   if master_weights:
     tx = with_master_weights(tx)
   if skip_nonfinite:

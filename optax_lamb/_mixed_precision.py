@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lamb import _math
+
 
 class MasterWeightsState(NamedTuple):
   """Full-precision copies of the parameters, and the wrapped optimizer's state."""
@@ -81,6 +83,24 @@ def with_master_weights(
     return jax.tree.map(delta, master, params), MasterWeightsState(master, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def with_float32_gradients(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Hand `inner` the gradients in float32 (at least), so its stages pass float32 between them.
+
+  A bfloat16 gradient would otherwise be rounded to bfloat16 after every stage
+  (Adam direction, weight decay, trust ratio, learning rate): four roundings
+  instead of the single one when the final update is cast to the param dtype.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates = jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), updates)
+    return inner.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def master_weights(opt_state: Any) -> Any:
