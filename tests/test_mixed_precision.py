@@ -150,10 +150,11 @@ def test_small_steps_accumulate_in_the_master():
   p_plain, p_master = params, params
   s_plain, s_master = plain.init(params), master.init(params)
   grads = {"w": jnp.ones((16,), jnp.bfloat16)}
+  step_plain, step_master = jax.jit(plain.update), jax.jit(master.update)
   for _ in range(100):
-    u, s_plain = plain.update(grads, s_plain, p_plain)
+    u, s_plain = step_plain(grads, s_plain, p_plain)
     p_plain = optax.apply_updates(p_plain, u)
-    u, s_master = master.update(grads, s_master, p_master)
+    u, s_master = step_master(grads, s_master, p_master)
     p_master = optax.apply_updates(p_master, u)
   np.testing.assert_array_equal(np.asarray(p_plain["w"]), np.asarray(params["w"]))
   assert np.all(f64(p_master["w"]) < f64(params["w"]))

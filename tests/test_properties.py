@@ -108,7 +108,7 @@ def test_two_steps_match_the_float64_reference(problem):
     params = optax.apply_updates(params, updates)
 
 
-@settings(SETTINGS, max_examples=15)
+@settings(SETTINGS, max_examples=12)
 @given(
   problem=problems(),
   master=st.booleans(),
