@@ -325,3 +325,36 @@ def test_jmp_dynamic_loss_scale():
   assert overflows >= 1
   assert int(optax_lamb.skip_counts(opt_state).total) == overflows
   assert float(loss_fn(params)) < loss0
+
+
+def test_sharded_leaves_skip_together():
+  """Inside shard_map, a NaN on one device makes every device skip (axis_name)."""
+  from jax.sharding import PartitionSpec as P
+
+  n = 8
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+  rng = np.random.default_rng()
+  params = {"w": jnp.asarray(rng.normal(size=(n * 2, 3)), jnp.float32)}
+  tx = optax_lamb.lamb(1e-2, weight_decay=0.01, skip_nonfinite=True, axis_name="data")
+  full = optax_lamb.lamb(1e-2, weight_decay=0.01, skip_nonfinite=True)
+  spec = {"w": P("data")}
+
+  def sharded_step(g, p):
+    def body(g, p):
+      u, s = tx.update(g, tx.init(p), p)
+      return u, optax_lamb.skip_counts(s).total[None]
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, P("data")))(g, p)
+
+  step = jax.jit(sharded_step)
+  shard = lambda t: jax.device_put(t, jax.sharding.NamedSharding(mesh, P("data")))
+  params = shard(params)
+  good = shard({"w": jnp.asarray(rng.normal(size=(n * 2, 3)), jnp.float32)})
+  u, skipped = step(good, params)
+  u_full, _ = full.update(good, full.init(params), params)
+  np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(u_full["w"]), rtol=1e-5, atol=1e-8)
+  np.testing.assert_array_equal(np.asarray(skipped), 0)
+  bad = shard({"w": good["w"].at[rng.integers(n * 2), 1].set(jnp.inf)})
+  u, skipped = step(bad, params)
+  np.testing.assert_array_equal(np.asarray(u["w"]), 0)
+  np.testing.assert_array_equal(np.asarray(skipped), 1)  # every device counted the skip
