@@ -3,17 +3,35 @@
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
+from optax_lamb._faults import (
+  SkipCounts,
+  SkipNonFiniteState,
+  UnscaleGradientsState,
+  skip_counts,
+  skip_nonfinite,
+  unscale_gradients,
+)
 from optax_lamb._lamb import lamb
+from optax_lamb._mixed_precision import MasterWeightsState, master_weights, with_master_weights
 from optax_lamb._trust_ratio import ScaleByTrustRatioState, scale_by_trust_ratio, trust_ratios
 
 __version__ = "0.1.0"
 
 __all__ = (
+  "MasterWeightsState",
   "ScaleByTrustRatioState",
+  "SkipCounts",
+  "SkipNonFiniteState",
+  "UnscaleGradientsState",
   "add_decayed_weights",
   "clip_by_global_norm",
   "lamb",
+  "master_weights",
   "scale_by_adam",
   "scale_by_trust_ratio",
+  "skip_counts",
+  "skip_nonfinite",
   "trust_ratios",
+  "unscale_gradients",
+  "with_master_weights",
 )

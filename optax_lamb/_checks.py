@@ -38,3 +38,8 @@ def check_ratio_bounds(min_name: str, min_value: Any, max_name: str, max_value: 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
   if value not in choices:
     raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be True or False, got {name}={value!r}")

@@ -47,7 +47,12 @@ def add_decayed_weights(
       state = optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
     else:
       wd = weight_decay
-    updates = jax.tree.map(lambda u, p: (u + wd * p).astype(u.dtype), updates, params)
+    # wd * p in the wider of the two dtypes: a bfloat16 p would round the product.
+    updates = jax.tree.map(
+      lambda u, p: (u + wd * p.astype(jnp.promote_types(u.dtype, p.dtype))).astype(u.dtype),
+      updates,
+      params,
+    )
     return updates, state
 
   tx = optax.GradientTransformation(init_fn, update_fn)

@@ -7,10 +7,11 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _checks, _tree
+from optax_lamb import _checks, _faults, _tree, _validate
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
+from optax_lamb._mixed_precision import with_float32_gradients, with_master_weights
 from optax_lamb._trust_ratio import scale_by_trust_ratio
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -35,6 +36,9 @@ def lamb(
   nu_dtype: Any = None,
   axis_name: Any = None,
   implementation: str = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The LAMB optimizer (You et al. 2019), a drop-in for :func:`optax.lamb`.
 
@@ -79,10 +83,21 @@ def lamb(
       replicated leaves. ``None`` (default): no leaf is sharded, as under
       ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
     implementation: ``"xla"``, ``"pallas"`` or ``"auto"`` (XLA for now).
+    skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
+      zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
+    grad_scale: divide the gradients by this loss scale before anything else: a
+      positive float, an array, or a schedule on the number of updates. A dynamic
+      scale can instead be passed each step as ``update(..., grad_scale=s)``.
+    master_weights: keep float32 master copies of the params in the state and run
+      the LAMB math on them (:func:`optax_lamb.with_master_weights`), for
+      bfloat16/float16 params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; its updates have the
-    params' dtypes.
+    params' dtypes. Its state is the stage tuple, wrapped (outermost first) in the
+    grad-scale schedule state, :class:`optax_lamb.SkipNonFiniteState` and
+    :class:`optax_lamb.MasterWeightsState` when those options are on. Integer,
+    boolean and complex leaves, empty trees and mismatched shapes raise errors.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
@@ -106,6 +121,9 @@ def lamb(
   if max_grad_norm is not None:
     _checks.check_positive("max_grad_norm", max_grad_norm)
   _checks.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
+  _checks.check_bool("skip_nonfinite", skip_nonfinite)
+  _checks.check_bool("master_weights", master_weights)
+  _faults.check_grad_scale(grad_scale)
 
   stages = optax.chain(
     clip_by_global_norm(max_grad_norm, axis_name=axis_name)
@@ -134,4 +152,9 @@ def lamb(
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     return updates, state
 
-  return optax.GradientTransformationExtraArgs(stages.init, update_fn)
+  tx = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))
+  if master_weights:
+    tx = with_master_weights(tx)
+  if skip_nonfinite:
+    tx = _faults.skip_nonfinite(tx, axis_name=axis_name)
+  return _validate.validated(_faults.with_unscaling(tx, grad_scale), "lamb")

@@ -12,6 +12,11 @@ def _paths(tree) -> list[str]:
   return [jax.tree_util.keystr(path) or "<root>" for path, _ in leaves]
 
 
+def _none_paths(tree) -> set[str]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+  return {jax.tree_util.keystr(path) or "<root>" for path, leaf in leaves if leaf is None}
+
+
 def check_same_structure(tree, tree_name: str, reference, reference_name: str) -> None:
   """Raise a ValueError naming the paths that differ between two pytrees."""
   if jax.tree.structure(tree) == jax.tree.structure(reference):
@@ -24,6 +29,16 @@ def check_same_structure(tree, tree_name: str, reference, reference_name: str) -
     details.append(f"in {tree_name} but not in {reference_name}: {only_ours[:10]}")
   if only_theirs:
     details.append(f"in {reference_name} but not in {tree_name}: {only_theirs[:10]}")
+  none_ours, none_theirs = _none_paths(tree), _none_paths(reference)
+  common = set(ours) & set(theirs)
+  if none_ours - none_theirs & common:
+    details.append(
+      f"None in {tree_name} but not in {reference_name}: {sorted(none_ours - none_theirs & common)[:10]}"
+    )
+  if none_theirs - none_ours & common:
+    details.append(
+      f"None in {reference_name} but not in {tree_name}: {sorted(none_theirs - none_ours & common)[:10]}"
+    )
   if not details:
     details.append(
       f"same leaf paths, different containers: {jax.tree.structure(tree)} vs "

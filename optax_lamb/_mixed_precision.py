@@ -1,0 +1,125 @@
+"""Float32 master weights for low-precision (bfloat16/float16) parameters."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lamb import _math
+
+
+class MasterWeightsState(NamedTuple):
+  """Full-precision copies of the parameters, and the wrapped optimizer's state."""
+
+  master: Any
+  inner_state: Any
+
+
+def _master_dtype(dtype, master_dtype) -> jnp.dtype:
+  return jnp.promote_types(dtype, master_dtype)
+
+
+def with_master_weights(
+  inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
+) -> optax.GradientTransformationExtraArgs:
+  r"""Run `inner` on float32 master copies of low-precision parameters.
+
+  The state keeps :math:`P = \mathrm{float32}(p)` at ``init``; each update
+  casts the gradients to float32, runs `inner` on :math:`P` (so every LAMB
+  formula, the trust-ratio norms included, sees float32 values and a small
+  step is never lost to bfloat16 rounding), advances :math:`P \leftarrow P + u`
+  and returns, in the params' dtype,
+
+  .. math::
+    \Delta = \mathrm{lowp}\big(\mathrm{lowp}(P) - p\big) \quad \text{(difference taken in float32)}
+
+  so that ``optax.apply_updates(params, updates)`` gives ``lowp(P)``, the
+  rounded master. This is bit-exact whenever ``lowp(P) - p`` is representable
+  in the low dtype, which holds (Sterbenz) whenever the new value lies within a
+  factor 2 of the old one with the same sign; an element that moves much closer
+  to zero in one step may land within one unit in the last place of ``lowp(P)``.
+  The error never accumulates: each update is taken against the params given,
+  and the master is the truth. Read it with :func:`master_weights`; for
+  bit-exact low-precision params use ``jax.tree.map(lambda m, p: m.astype(p.dtype),
+  master_weights(state), params)``.
+
+  Params that already are float32 (or wider) are copied as they are. The master
+  is re-read only at ``init``: re-initialize after editing the params outside
+  the optimizer.
+
+  Args:
+    inner: the transformation to run on the master weights.
+    dtype: the master dtype (float32).
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with :class:`MasterWeightsState`;
+    its updates have the params' dtypes.
+  """
+  inner = optax.with_extra_args_support(inner)
+  dtype = jnp.dtype(dtype)
+
+  def init_fn(params):
+    # A copy even for float32 params: the master must not share a buffer that the
+    # caller may donate.
+    master = jax.tree.map(
+      lambda p: jnp.array(p, _master_dtype(jnp.result_type(p), dtype), copy=True), params
+    )
+    return MasterWeightsState(master=master, inner_state=inner.init(master))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("with_master_weights needs params: call update(grads, state, params)")
+    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.master)
+    steps, inner_state = inner.update(grads, state.inner_state, state.master, **extra_args)
+    master = optax.apply_updates(state.master, steps)
+
+    def delta(m, p):
+      target = m.astype(p.dtype).astype(m.dtype)
+      return (target - p.astype(m.dtype)).astype(p.dtype)
+
+    return jax.tree.map(delta, master, params), MasterWeightsState(master, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def with_float32_gradients(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Hand `inner` the gradients in float32 (at least), so its stages pass float32 between them.
+
+  A bfloat16 gradient would otherwise be rounded to bfloat16 after every stage
+  (Adam direction, weight decay, trust ratio, learning rate): four roundings
+  instead of the single one when the final update is cast to the param dtype.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates = jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), updates)
+    return inner.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def master_weights(opt_state: Any) -> Any:
+  """The float32 master weights kept by ``lamb(master_weights=True)`` or :func:`with_master_weights`.
+
+  Args:
+    opt_state: an optimizer state holding a :class:`MasterWeightsState`.
+
+  Returns:
+    A pytree like the params, in float32 (or the params' dtype where wider).
+  """
+  found = [
+    s
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+    if isinstance(s, MasterWeightsState)
+  ]
+  if not found:
+    raise ValueError(
+      "No master weights in this optimizer state: build it with "
+      "optax_lamb.lamb(..., master_weights=True) or optax_lamb.with_master_weights(tx)."
+    )
+  return found[0].master
