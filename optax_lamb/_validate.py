@@ -96,13 +96,21 @@ def check_update_args(updates: Any, params: Any, who: str) -> None:
   check_same_shapes(updates, "updates (gradients)", params, who)
 
 
+try:  # private in optax; absent in some versions, then nothing is a placeholder
+  from optax.tree_utils._state_utils import _ParamsPlaceholder
+except ImportError:  # pragma: no cover
+  _ParamsPlaceholder = ()
+
+
 def validated(
   tx: optax.GradientTransformationExtraArgs, who: str
 ) -> optax.GradientTransformationExtraArgs:
   """Wrap `tx` so init and update check their inputs first (see :func:`check_update_args`)."""
 
   def init_fn(params):
-    check_params(params, who)
+    # optax.tree_map_params inits with a placeholder to locate the param-shaped state.
+    if not isinstance(params, _ParamsPlaceholder):
+      check_params(params, who)
     return tx.init(params)
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -60,8 +60,9 @@ class NumpyLamb:
     self.t = 0
     self.m = self.v = None
     self.ratios = {}
-    # Condition number of each ratio: (||adam|| + ||wd x||) / ||adam + wd x||, worst layer.
-    # Float32 rounding of u is amplified by it when the decay cancels the Adam step.
+    # Condition number of each ratio, worst layer: (||adam|| + ||wd x||) / ||adam + wd x||
+    # times that of the first-moment update. Float32 rounding of u is amplified by it
+    # when the decay cancels the Adam step or the new gradient cancels the moment.
     self.ratio_condition = {}
 
   def _layer_ratio(self, x, u):
@@ -97,6 +98,7 @@ class NumpyLamb:
     new_params = {}
     for k, x in params.items():
       g = grads[k]
+      m_parts = self.b1 * np.abs(self.m[k]) + (1 - self.b1) * np.abs(g)
       self.m[k] = self.b1 * self.m[k] + (1 - self.b1) * g
       self.v[k] = self.b2 * self.v[k] + (1 - self.b2) * g * g
       m_hat, v_hat = self.m[k] / bc1, self.v[k] / bc2
@@ -114,7 +116,9 @@ class NumpyLamb:
           u_norm = np.linalg.norm(u[idx])
           if u_norm > 0:
             parts = np.linalg.norm(adam[idx]) + np.linalg.norm(u[idx] - adam[idx])
-            condition = max(condition, parts / u_norm)
+            # m = b1 m + (1 - b1) g can cancel too; its rounding then grows by this much.
+            m_condition = np.linalg.norm(m_parts[idx]) / max(np.linalg.norm(self.m[k][idx]), 1e-30)
+            condition = max(condition, parts / u_norm * max(1.0, m_condition))
       self.ratio_condition[k] = condition
       self.ratios[k] = ratio
       new_params[k] = x - lr * ratio.reshape(layers_shape + (1,) * (x.ndim - k_axes)) * u

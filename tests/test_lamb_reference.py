@@ -131,8 +131,12 @@ def test_matches_float64_reference(case, fresh_rng):
     grads = make_grads(fresh_rng)
     if case.startswith("max_grad_norm_binding"):
       grads = {k: 10 * g for k, g in grads.items()}
-    # The reference steps from our current params (its moments are its own, float64),
-    # so float32 rounding is compared one step at a time instead of compounding.
+    # The reference steps from our current params (in float64), so float32
+    # rounding is compared one step at a time instead of compounding.
+    # Moments too, so the moment rounding of earlier steps does not compound either.
+    if t > 0:
+      ref.m = {k: np.asarray(x, np.float64) for k, x in state[1].mu.items()}
+      ref.v = {k: np.asarray(x, np.float64) for k, x in state[1].nu.items()}
     ref_params = ref.step(jax.tree.map(np.asarray, jax_params), grads)
     updates, state = step(jax.tree.map(jnp.asarray, grads), state, jax_params)
     jax_params = optax.apply_updates(jax_params, updates)
