@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import resource
 import time
 
 import numpy as np
@@ -225,6 +226,8 @@ def run_sweep(cfg: SweepConfig, *, progress: bool = True, log=print) -> dict:
     "data": info,
     "runs": runs,
     "wall_seconds": time.perf_counter() - start,
+    # CPU time of this process: with other jobs on the machine, wall time overstates the cost
+    "cpu_seconds": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
     "machine": {
       "platform": platform.platform(),
       "cpus": os.cpu_count(),
@@ -316,7 +319,9 @@ def main(argv=None):
   )
   print(format_table(results))
   print(
-    f"\nwall time {results['wall_seconds']:.0f} s on {os.cpu_count()} CPUs; results: {args.out}"
+    f"\nwall time {results['wall_seconds']:.0f} s, CPU time {results['cpu_seconds']:.0f} s, "
+    f"{os.cpu_count()} CPUs, load average {results['machine']['load_average_at_end']}; "
+    f"results: {args.out}"
   )
   if args.plot:
     import matplotlib
