@@ -112,6 +112,17 @@ def mask_tokens(
   return MLMBatch(inputs.astype(np.int32), positions, targets.astype(np.int32))
 
 
+def unigram_loss(train_seqs: np.ndarray, held_out: MLMBatch, vocab_size: int) -> float:
+  """Held-out loss (nats) of the best context-free predictor: the training token frequencies.
+
+  A masked-LM whose loss sits at this level has learned the frequencies and nothing of the
+  context (add-one smoothing keeps unseen tokens finite).
+  """
+  counts = np.bincount(train_seqs.ravel(), minlength=vocab_size).astype(np.float64) + 1.0
+  logp = np.log(counts / counts.sum())
+  return float(-logp[held_out.targets].mean())
+
+
 # --- a synthetic language for CI: a hidden Markov model ---------------------------------
 
 

@@ -22,6 +22,15 @@ def final_loss_vs_batch(results: dict, ax) -> None:
   best = results["data"].get("best_loss")
   if best:
     ax.axhline(min(best.values()), color="k", ls=":", label="best possible (Bayes)")
+  unigram = results["data"].get("unigram_loss")
+  if unigram:
+    seq = str(results["config"]["seq_len"])
+    ax.axhline(
+      unigram[seq] if seq in unigram else unigram[int(seq)],
+      color="gray",
+      ls="--",
+      label="token frequencies only (no context)",
+    )
   ax.set_xscale("log", base=2)
   ax.set_xlabel("batch size (same number of samples per run)")
   ax.set_ylabel("final held-out MLM loss (nats)")

@@ -116,6 +116,7 @@ def load_data(cfg: SweepConfig):
       tr, ho = data_lib.split_held_out(data_lib.chunk(ids, n))
       train[n] = data_lib.mask_tokens(tr[rng.permutation(len(tr))], rng, **mk)
       held[n] = data_lib.mask_tokens(ho[: cfg.held_out], np.random.default_rng(cfg.seed + 1), **mk)
+      info.setdefault("unigram_loss", {})[n] = data_lib.unigram_loss(tr, held[n], mk["vocab_size"])
   elif cfg.data == "hmm":
     off = len(data_lib.SPECIAL_TOKENS)
     hmm = data_lib.random_hmm(HMM_STATES, HMM_SYMBOLS, seed=cfg.seed)
@@ -282,6 +283,9 @@ def format_table(results: dict) -> str:
   best = results["data"].get("best_loss")
   if best:
     lines.append(f"\nBest possible held-out loss (Bayes, exact): {best}")
+  unigram = results["data"].get("unigram_loss")
+  if unigram:
+    lines.append(f"\nContext-free baseline (training token frequencies), held-out loss: {unigram}")
   return "\n".join(lines)
 
 

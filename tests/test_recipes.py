@@ -295,3 +295,13 @@ def test_kjv_text_and_tokenizer():
   assert [tok.token_to_id(s) for s in data.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
   ids = tok.encode("And God said, Let there be light").ids
   assert tok.decode(ids) == "and god said, let there be light"
+
+
+def test_unigram_loss_is_the_frequency_cross_entropy():
+  train_seqs = np.array([[5, 5, 6, 7]] * 10, np.int32)  # frequencies 20:10:10 of 40
+  held = data.MLMBatch(np.zeros((1, 4), np.int32), np.array([[0, 1]]), np.array([[5, 6]]))
+  counts = np.ones(8)
+  counts[5:8] += [20, 10, 10]
+  p = counts / counts.sum()
+  want = -(np.log(p[5]) + np.log(p[6])) / 2
+  assert data.unigram_loss(train_seqs, held, 8) == pytest.approx(want, rel=1e-12)
