@@ -169,14 +169,15 @@ def test_multisteps_accumulation_equals_the_big_batch(family):
   k = 4
   tx_big = train.make_optimizer(family, 1e-2)
   tx_acc = train.make_optimizer(family, 1e-2, accumulate=k)
+  update_big, update_acc = jax.jit(tx_big.update), jax.jit(tx_acc.update)
   p_big, s_big = params, tx_big.init(params)
   p_acc, s_acc = params, tx_acc.init(params)
   for _ in range(2):  # two optimizer steps
-    up, s_big = tx_big.update(grad(p_big, big), s_big, p_big)
+    up, s_big = update_big(grad(p_big, big), s_big, p_big)
     p_big = optax.apply_updates(p_big, up)
     for i in range(k):
       mb = data.MLMBatch(*(x[i * 8 : (i + 1) * 8] for x in big))
-      up, s_acc = tx_acc.update(grad(p_acc, mb), s_acc, p_acc)
+      up, s_acc = update_acc(grad(p_acc, mb), s_acc, p_acc)
       p_acc = optax.apply_updates(p_acc, up)
   for a, b in zip(jax.tree.leaves(p_big), jax.tree.leaves(p_acc), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
