@@ -285,15 +285,14 @@ class Trainer:
     seconds = time.perf_counter() - start
     lrs_all = np.concatenate(lrs, axis=1)
     ratios_all = np.concatenate(ratio_rows, axis=1) if ratio_rows else None
-    decayed_names = [nm for nm, d in zip(self.names, self.decayed, strict=True) if d]
     results = []
     for j in range(n):
       ratios = None
-      if ratios_all is not None:
+      if ratios_all is not None:  # the decayed leaves (the others have ratio 1 by default)
         ratios = {
           nm: ratios_all[j, :, li].tolist()
           for li, (nm, d) in enumerate(zip(self.names, self.decayed, strict=True))
-          if d and nm in decayed_names
+          if d
         }
       results.append(
         RunResult(
