@@ -1,0 +1,87 @@
+"""A small masked-LM BERT in Flax NNX (post-LayerNorm, as BERT), and its loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """Sizes of the model; the defaults run a sweep on two CPU cores in minutes."""
+
+  vocab_size: int = 2048
+  hidden: int = 64
+  layers: int = 2
+  heads: int = 4
+  mlp: int = 256
+  max_len: int = 128
+
+
+class Layer(nnx.Module):
+  """A post-LN transformer encoder layer: x = LN(x + attn(x)); x = LN(x + mlp(x))."""
+
+  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
+    init = nnx.initializers.truncated_normal(0.02)
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=cfg.heads,
+      in_features=cfg.hidden,
+      kernel_init=init,
+      decode=False,
+      rngs=rngs,
+    )
+    self.attn_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+    self.mlp_in = nnx.Linear(cfg.hidden, cfg.mlp, kernel_init=init, rngs=rngs)
+    self.mlp_out = nnx.Linear(cfg.mlp, cfg.hidden, kernel_init=init, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.attn_norm(x + self.attn(x))
+    return self.mlp_norm(x + self.mlp_out(jax.nn.gelu(self.mlp_in(x))))
+
+
+class Bert(nnx.Module):
+  """Token and position embeddings, encoder layers, and BERT's masked-LM head (tied decoder)."""
+
+  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
+    init = nnx.initializers.truncated_normal(0.02)
+    self.cfg = cfg
+    self.token_embed = nnx.Embed(cfg.vocab_size, cfg.hidden, embedding_init=init, rngs=rngs)
+    self.position_embed = nnx.Embed(cfg.max_len, cfg.hidden, embedding_init=init, rngs=rngs)
+    self.embed_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+    self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.layers)])
+    self.head = nnx.Linear(cfg.hidden, cfg.hidden, kernel_init=init, rngs=rngs)
+    self.head_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+    self.output_bias = nnx.Param(jnp.zeros((cfg.vocab_size,)))
+
+  def __call__(self, inputs, positions):
+    """Logits ``[batch, n_pred, vocab]`` at the masked ``positions`` only (as BERT's head)."""
+    seq_len = inputs.shape[-1]
+    x = self.token_embed(inputs) + self.position_embed(jnp.arange(seq_len))
+    x = self.embed_norm(x)
+    for layer in self.layers:
+      x = layer(x)
+    x = jnp.take_along_axis(x, positions[..., None], axis=-2)
+    x = self.head_norm(jax.nn.gelu(self.head(x)))
+    return self.token_embed.attend(x) + self.output_bias[...]
+
+
+def mlm_loss(model: Bert, batch) -> jax.Array:
+  """Mean cross-entropy (nats) over the masked positions."""
+  logits = model(batch.inputs, batch.positions)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  return -jnp.take_along_axis(logp, batch.targets[..., None], axis=-1).mean()
+
+
+def init_params(cfg: BertConfig, seed: int = 0):
+  """``(graphdef, params)``: the static structure and the parameters as nested dicts of arrays."""
+  graphdef, state = nnx.split(Bert(cfg, rngs=nnx.Rngs(seed)))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def loss_fn(graphdef, params, batch) -> jax.Array:
+  """The masked-LM loss as a pure function of the parameters (for ``jax.grad``)."""
+  return mlm_loss(nnx.merge(graphdef, params), batch)

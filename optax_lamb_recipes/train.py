@@ -1,0 +1,311 @@
+"""The optimizers of the recipe and a jitted training loop that runs several learning rates at once.
+
+Every batch size runs as micro-batches of a fixed size accumulated by :class:`optax.MultiSteps`
+(the way to train with batches larger than memory). Because the number of micro-batches per
+step, the peak learning rate and the schedule lengths are all traced values, one compiled
+training segment serves every batch size and learning rate of a sweep; the learning rates of
+one optimizer family train side by side under ``jax.vmap`` on the same data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_lamb
+from optax_lamb_recipes import model as model_lib
+from optax_lamb_recipes import schedules
+from optax_lamb_recipes.data import MLMBatch
+
+FAMILIES = ("lamb", "adamw")
+
+
+def is_decayed(path: Sequence[Any]) -> bool:
+  """BERT's rule: no weight decay on biases and LayerNorm parameters (nor on the output bias)."""
+  names = [str(getattr(k, "key", getattr(k, "name", k))).lower() for k in path]
+  return not any("bias" in n or "norm" in n for n in names)
+
+
+def decay_mask(params: Any) -> Any:
+  """A pytree of bools like ``params``: True where weight decay (and LAMB's ratio) applies."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: is_decayed(path), params)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The recipe's optimizer settings (You et al. 2019 and NVIDIA's BERT recipe)."""
+
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-6
+  weight_decay: float = 0.01
+  max_grad_norm: float = 1.0
+  # NVIDIA's recipe leaves the no-decay params (biases, LayerNorm) without a trust ratio.
+  ratio_on_no_decay: bool = False
+
+
+def make_optimizer(
+  family: str,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  accumulate: Any = 1,
+  opt: OptimizerConfig = OptimizerConfig(),
+) -> optax.GradientTransformation:
+  """``"lamb"`` (optax_lamb.lamb) or ``"adamw"`` (optax.adamw after global clipping), same settings.
+
+  Args:
+    family: ``"lamb"`` or ``"adamw"``.
+    learning_rate: a float or schedule (counted in optimizer steps, not micro-batches).
+    accumulate: micro-batches per step (int or traced scalar); ``1`` skips ``MultiSteps``
+      when it is a Python int.
+    opt: betas, eps, weight decay and clipping.
+  """
+  if family == "lamb":
+    tx = optax_lamb.lamb(
+      learning_rate,
+      opt.b1,
+      opt.b2,
+      opt.eps,
+      weight_decay=opt.weight_decay,
+      mask=decay_mask,
+      trust_ratio_mask=None if opt.ratio_on_no_decay else decay_mask,
+      max_grad_norm=opt.max_grad_norm,
+    )
+  elif family == "adamw":
+    tx = optax.chain(
+      optax.clip_by_global_norm(opt.max_grad_norm),
+      optax.adamw(
+        learning_rate, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
+      ),
+    )
+  else:
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+  if isinstance(accumulate, int) and accumulate == 1:
+    return tx
+  return optax.MultiSteps(tx, every_k_schedule=lambda _: accumulate)
+
+
+def carry_over_moments(old_state: Any, new_state: Any) -> Any:
+  """Phase 2's fresh state with phase 1's Adam moments (and their step count) put back in.
+
+  The recipe's second phase keeps the optimizer's memory but restarts the learning-rate
+  schedule (re-warm-up): every :class:`optax.ScaleByAdamState` in ``new_state`` is replaced,
+  in order, by the one in ``old_state``; everything else (schedule counts, MultiSteps
+  accumulators) stays fresh. Works through any nesting (chain, MultiSteps, masked).
+  """
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  old = [s for s in jax.tree.leaves(old_state, is_leaf=is_adam) if is_adam(s)]
+  count = [0]
+
+  def swap(x):
+    if not is_adam(x):
+      return x
+    if count[0] >= len(old):
+      raise ValueError("phase 2's optimizer has more Adam stages than phase 1's")
+    count[0] += 1
+    return old[count[0] - 1]
+
+  out = jax.tree.map(swap, new_state, is_leaf=is_adam)
+  if count[0] != len(old):
+    raise ValueError(f"phase 1 has {len(old)} Adam stages, phase 2 has {count[0]}")
+  return out
+
+
+def leaf_names(params: Any) -> list[str]:
+  """Readable names of the leaves, in ``jax.tree.leaves`` order (``layers/0/mlp_in/kernel``)."""
+  return [
+    "/".join(str(getattr(k, "key", k)) for k in path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What one learning rate of one group recorded."""
+
+  family: str
+  batch: int
+  peak_lr: float
+  samples: list[int]  # samples seen at each evaluation
+  held_out: list[float]  # held-out masked-LM loss at each evaluation
+  train: list[float]  # mean training loss over each segment
+  trust_ratios: dict[str, list[float]] | None  # per decayed leaf, per optimizer step (LAMB)
+  lr: list[float]  # the learning rate of each optimizer step
+  phase_ends: list[int]  # samples seen at the end of each phase
+  seconds: float
+
+  @property
+  def final(self) -> float:
+    return self.held_out[-1]
+
+
+def _to_device(batch: MLMBatch) -> MLMBatch:
+  return MLMBatch(*(jnp.asarray(x) for x in batch))
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Compiled training segments and evaluation, shared by every run of a sweep.
+
+  ``micro`` is the micro-batch size: a batch B trains as ``B // micro`` accumulated micro-batches.
+  """
+
+  model_cfg: model_lib.BertConfig
+  opt: OptimizerConfig = OptimizerConfig()
+  micro: int = 16
+  seed: int = 0
+
+  def __post_init__(self):
+    self.graphdef, self.params0 = model_lib.init_params(self.model_cfg, self.seed)
+    self.names = leaf_names(self.params0)
+    self.decayed = np.array(jax.tree.leaves(decay_mask(self.params0)))
+    self._segment = jax.jit(self._segment_impl, static_argnames=("family",), donate_argnums=(0, 1))
+    self._init = jax.jit(self._init_impl, static_argnames=("family",))
+    self._carry = jax.jit(self._carry_impl, static_argnames=("family",))
+    self._eval = jax.jit(
+      jax.vmap(lambda p, b: model_lib.loss_fn(self.graphdef, p, b), in_axes=(0, None))
+    )
+
+  def _tx(self, family, hyper):
+    sched = schedules.warmup_poly_decay(
+      hyper["peak_lr"], hyper["warmup"], hyper["steps"], hyper["power"]
+    )
+    return make_optimizer(family, sched, accumulate=hyper["k"], opt=self.opt)
+
+  def _init_impl(self, params, hyper, *, family):
+    return jax.vmap(lambda p, h: self._tx(family, h).init(p))(params, hyper)
+
+  def _carry_impl(self, params, old_state, hyper, *, family):
+    new = self._init_impl(params, hyper, family=family)
+    return carry_over_moments(old_state, new)
+
+  def _segment_impl(self, params, state, hyper, data, *, family):
+    def one_arm(params, state, hyper):
+      tx = self._tx(family, hyper)
+
+      def step(carry, mb):
+        params, state = carry
+        loss, grads = jax.value_and_grad(model_lib.loss_fn, argnums=1)(self.graphdef, params, mb)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        ratios = (
+          jnp.stack(jax.tree.leaves(optax_lamb.trust_ratios(state)))
+          if family == "lamb"
+          else jnp.zeros(())
+        )
+        return (params, state), (loss, ratios)
+
+      (params, state), (losses, ratios) = jax.lax.scan(step, (params, state), data)
+      return params, state, losses.mean(), ratios
+
+    return jax.vmap(one_arm, in_axes=(0, 0, 0))(params, state, hyper)
+
+  def run(
+    self,
+    family: str,
+    peak_lrs: Sequence[float],
+    phases: Sequence[schedules.Phase],
+    train_data: dict[int, MLMBatch],
+    held_out: dict[int, MLMBatch],
+    *,
+    evals_per_phase: int = 8,
+    progress: Callable[[int], None] | None = None,
+  ) -> list[RunResult]:
+    """Train one family at several peak learning rates (side by side) through ``phases``.
+
+    ``train_data[seq_len]`` is the stream of examples for that sequence length; every run
+    reads it from the start, in order, so every batch size sees the same samples.
+    Phase i's peak learning rate is ``peak_lrs[j] * phase.peak_lr / phases[0].peak_lr``.
+    ``progress(n)`` is called with the samples trained after each segment.
+    """
+    start = time.perf_counter()
+    n = len(peak_lrs)
+    params = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), self.params0)
+    state = None
+    samples, held, train_losses, ratio_rows, lrs, phase_ends = [], [], [], [], [], []
+    seen = 0
+    offsets: dict[int, int] = {}
+    for i, ph in enumerate(phases):
+      k = ph.batch // self.micro
+      if k * self.micro != ph.batch or ph.steps % evals_per_phase:
+        raise ValueError(
+          f"batch {ph.batch} must be a multiple of micro {self.micro} and "
+          f"steps {ph.steps} a multiple of evals_per_phase {evals_per_phase}"
+        )
+      scale = ph.peak_lr / phases[0].peak_lr
+      peaks = np.asarray(peak_lrs, np.float32) * scale
+      hyper = {
+        "peak_lr": jnp.asarray(peaks),
+        "warmup": jnp.full((n,), ph.warmup_steps, jnp.float32),
+        "steps": jnp.full((n,), ph.steps, jnp.float32),
+        "power": jnp.full((n,), ph.power, jnp.float32),
+        "k": jnp.full((n,), k, jnp.int32),
+      }
+      if state is None:
+        state = self._init(params, hyper, family=family)
+      else:
+        state = self._carry(params, state, hyper, family=family)
+      sched = schedules.warmup_poly_decay(1.0, ph.warmup_steps, ph.steps, ph.power)
+      lrs.append(np.asarray(jax.vmap(sched)(jnp.arange(ph.steps)))[None] * peaks[:, None])
+      stream = train_data[ph.seq_len]
+      seg_micro = ph.steps * k // evals_per_phase
+      off = offsets.get(ph.seq_len, 0)
+      need = ph.steps * ph.batch
+      if off + need > len(stream.inputs):
+        raise ValueError(
+          f"phase {i} needs {need} sequences of length {ph.seq_len}, "
+          f"only {len(stream.inputs) - off} left"
+        )
+      for e in range(evals_per_phase):
+        lo = off + e * seg_micro * self.micro
+        seg = MLMBatch(
+          *(
+            jnp.asarray(x[lo : lo + seg_micro * self.micro]).reshape(seg_micro, self.micro, -1)
+            for x in stream
+          )
+        )
+        params, state, loss, ratios = self._segment(params, state, hyper, seg, family=family)
+        seen += seg_micro * self.micro
+        samples.append(seen)
+        train_losses.append(np.asarray(loss))
+        held.append(np.asarray(self._eval(params, _to_device(held_out[ph.seq_len]))))
+        if family == "lamb":
+          ratio_rows.append(np.asarray(ratios)[:, k - 1 :: k])
+        if progress is not None:
+          progress(seg_micro * self.micro)
+      offsets[ph.seq_len] = off + need
+      phase_ends.append(seen)
+    seconds = time.perf_counter() - start
+    lrs_all = np.concatenate(lrs, axis=1)
+    ratios_all = np.concatenate(ratio_rows, axis=1) if ratio_rows else None
+    results = []
+    for j in range(n):
+      ratios = None
+      if ratios_all is not None:  # the decayed leaves (the others have ratio 1 by default)
+        ratios = {
+          nm: ratios_all[j, :, li].tolist()
+          for li, (nm, d) in enumerate(zip(self.names, self.decayed, strict=True))
+          if d
+        }
+      results.append(
+        RunResult(
+          family=family,
+          batch=phases[0].batch,
+          peak_lr=float(peak_lrs[j]),
+          samples=list(samples),
+          held_out=[float(h[j]) for h in held],
+          train=[float(t[j]) for t in train_losses],
+          trust_ratios=ratios,
+          lr=lrs_all[j].tolist(),
+          phase_ends=phase_ends,
+          seconds=seconds,
+        )
+      )
+    return results
