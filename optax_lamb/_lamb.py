@@ -7,13 +7,13 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _checks, _tree
+from optax_lamb import _apply, _checks, _tree, _xla
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
 from optax_lamb._trust_ratio import scale_by_trust_ratio
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
 
 
 def lamb(
@@ -75,7 +75,9 @@ def lamb(
     axis_name: mapped axis name(s) over which leaves are sharded inside
       ``shard_map``/``pmap``; norms are ``psum``'d over them. ``None`` for
       replicated or unsharded leaves.
-    implementation: ``"xla"``, ``"pallas"`` or ``"auto"`` (XLA for now).
+    implementation: ``"xla"`` (two fused passes over memory per leaf),
+      ``"pallas"``, ``"auto"`` (XLA for now) or ``"reference"`` (the plain
+      chain of stages, slower; same values and state).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; its updates have the
@@ -122,13 +124,24 @@ def lamb(
     optax.scale_by_learning_rate(learning_rate),
   )
 
+  fused = implementation != "reference"
+  config = _xla.LambConfig(**{k: v for k, v in locals().items() if k in _xla.CONFIG_FIELDS})
+
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError("lamb needs params for the trust ratio: call update(grads, state, params)")
     _tree.check_same_structure(updates, "updates (gradients)", params, "params")
+    if fused:
+      return _xla.update(config, updates, state, params)
     updates, state = stages.update(updates, state, params)
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     return updates, state
 
+  def apply_fn(grads, state, params):
+    _tree.check_same_structure(grads, "updates (gradients)", params, "params")
+    return _xla.update(config, grads, state, params, apply=True)
+
+  if fused:
+    _apply.register_fused_apply(update_fn, apply_fn)
   return optax.GradientTransformationExtraArgs(stages.init, update_fn)

@@ -93,8 +93,7 @@ def scale_by_trust_ratio(
         min_ratio=min_ratio,
         max_ratio=max_ratio,
       ).astype(jnp.float32)
-      scaled = u.astype(_math.compute_dtype(u.dtype)) * _math.broadcast_ratio(r, u)
-      return scaled.astype(u.dtype), r
+      return _math.scale_by_ratio(u, r), r
 
     out = jax.tree.map(leaf, updates, params, axes, adapt)
     updates, ratios = _tree.tree_unzip(out, jax.tree.structure(updates), 2)
