@@ -94,7 +94,7 @@ def psum_if(x, axis_name):
   return x if axis_name is None else jax.lax.psum(x, axis_name)
 
 
-def sq_norms(*xs, stacked_axes: int = 0, partial_size: int = 8):
+def sq_norms(*xs, stacked_axes: int = 0, partial_size: int = 16):
   """`sq_norm` of several same-shaped arrays, computed in one pass over memory.
 
   Same values as `sq_norm` of each, up to float32 summation order: one
