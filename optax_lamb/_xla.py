@@ -56,6 +56,11 @@ class LambConfig:
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LambConfig))
 
 
+# Leaves up to this many elements keep u in memory between the norm and the update (it stays
+# in cache); larger ones recompute it (two passes over memory, no param-sized temporary).
+_MATERIALISE_U_MAX_SIZE = 1 << 18
+
+
 def _is_schedule_state(x) -> bool:
   return isinstance(x, optax.ScaleByScheduleState)
 
@@ -139,7 +144,17 @@ def update(
     m_new, v_new = m_c.astype(m.dtype), v_c.astype(v.dtype)
     # Recompute from the stored moments only where storing them did not round.
     from_new = m_new.dtype == m_c.dtype and v_new.dtype == v_c.dtype
-    if adapt:
+    if adapt and jnp.size(p) <= _MATERIALISE_U_MAX_SIZE:
+      # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
+      u = direction(g, m_c, v_c, p, decay)
+      ratio = _math.trust_ratio(
+        _math.psum_if(_math.sq_norm(p, k), c.axis_name),
+        _math.psum_if(_math.sq_norm(u, k), c.axis_name),
+        min_ratio=c.min_trust_ratio,
+        max_ratio=c.max_trust_ratio,
+      ).astype(jnp.float32)
+      p2, u = p, _math.scale_by_ratio(u, ratio)
+    elif adapt:
       u = direction(g, m_c, v_c, p, decay)
       p_sq, u_sq = _math.sq_norms(p, u, stacked_axes=k)
       ratio = _math.trust_ratio(

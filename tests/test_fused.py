@@ -1,5 +1,6 @@
 """The fused XLA path: equal to the stage chain and to a float64 NumPy LAMB, same state, no big temporaries."""
 
+import contextlib
 import functools
 import warnings
 
@@ -11,6 +12,7 @@ import optax
 import pytest
 
 import optax_lamb
+from optax_lamb import _xla
 
 STEPS = 10
 LR = 1e-2
@@ -198,24 +200,40 @@ def _build(kwargs, implementation):
   return optax_lamb.lamb(lr, implementation=implementation, **kwargs)
 
 
+@contextlib.contextmanager
+def two_pass_for_every_leaf():
+  """Trace the fused path with the recompute-u design on every leaf, however small."""
+  saved = _xla._MATERIALISE_U_MAX_SIZE
+  _xla._MATERIALISE_U_MAX_SIZE = 0
+  try:
+    yield
+  finally:
+    _xla._MATERIALISE_U_MAX_SIZE = saved
+
+
 @functools.cache
 def _results(case):
   kwargs, _, scale = CASES[case]
   params = make_params()
   grads = [make_grads(params, t, scale) for t in range(STEPS)]
+  with two_pass_for_every_leaf():
+    xla = run(_build(kwargs, "xla"), params, grads)
+    apply = run(_build(kwargs, "xla"), params, grads, fused_apply=True)
   return {
     "params": params,
     "grads": grads,
-    "xla": run(_build(kwargs, "xla"), params, grads),
-    "apply": run(_build(kwargs, "xla"), params, grads, fused_apply=True),
+    "xla": xla,
+    "apply": apply,
+    "xla_small_leaves": run(_build(kwargs, "xla"), params, grads),
     "reference": run(_build(kwargs, "reference"), params, grads),
   }
 
 
+@pytest.mark.parametrize("variant", ["xla", "xla_small_leaves"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_equals_stage_chain(case):
+def test_fused_equals_stage_chain(case, variant):
   r = _results(case)
-  (p_xla, s_xla), (p_ref, s_ref) = r["xla"], r["reference"]
+  (p_xla, s_xla), (p_ref, s_ref) = r[variant], r["reference"]
   assert jax.tree.structure(s_xla) == jax.tree.structure(s_ref)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), s_xla) == jax.tree.map(
     lambda x: (x.shape, x.dtype), s_ref
@@ -224,15 +242,16 @@ def test_fused_equals_stage_chain(case):
   assert_trees_close(s_xla, s_ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("variant", ["xla", "xla_small_leaves"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_equals_numpy_float64(case):
+def test_fused_equals_numpy_float64(case, variant):
   kwargs, opts, _ = CASES[case]
   r = _results(case)
   expected, ratios = numpy_lamb(r["params"], r["grads"], opts)
-  got = by_path(r["xla"][0])
+  got = by_path(r[variant][0])
   for name, want in expected.items():
     np.testing.assert_allclose(np.asarray(got[name], np.float64), want, rtol=1e-5, atol=1e-6)
-  got_ratios = by_path(optax_lamb.trust_ratios(r["xla"][1]))
+  got_ratios = by_path(optax_lamb.trust_ratios(r[variant][1]))
   for name, want in ratios.items():
     np.testing.assert_allclose(np.asarray(got_ratios[name], np.float64), want, rtol=1e-5)
 
@@ -260,6 +279,12 @@ def test_state_interchangeable_between_implementations():
   grads = [make_grads(params, t) for t in range(6)]
   kwargs = CASES["combined"][0]
   fused, chain = _build(kwargs, "xla"), _build(kwargs, "reference")
+  with two_pass_for_every_leaf():
+    _interchange(fused, chain, params, grads)
+  _interchange(fused, chain, params, grads)
+
+
+def _interchange(fused, chain, params, grads):
   # 3 steps of the chain, then 3 of the fused path, against 6 of the fused path.
   p, s = run(chain, params, grads[:3])
   for g in grads[3:]:
@@ -303,7 +328,8 @@ def test_mixed_dtypes_match_stage_chain():
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
   grads = [jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_grads(params, t)) for t in range(4)]
   kwargs = {"weight_decay": 0.01, "mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
-  p_xla, s_xla = run(_build(kwargs, "xla"), params, grads)
+  with two_pass_for_every_leaf():
+    p_xla, s_xla = run(_build(kwargs, "xla"), params, grads)
   p_ref, s_ref = run(_build(kwargs, "reference"), params, grads)
   assert jax.tree.map(lambda x: x.dtype, (p_xla, s_xla)) == jax.tree.map(
     lambda x: x.dtype, (p_ref, s_ref)
@@ -333,7 +359,8 @@ def test_axis_name_sharded_leaves_match_unsharded():
       params, state = optax_lamb.update_and_apply(tx, g, state, params)
     return params
 
-  got = sharded(params, *grads)
+  with two_pass_for_every_leaf():
+    got = sharded(params, *grads)
   assert_trees_close(got, want, rtol=1e-5, atol=1e-7)
 
 
@@ -349,7 +376,7 @@ def _donated_step(tx, fused_apply):
 
 @pytest.mark.parametrize("fused_apply", [False, True])
 def test_donated_step_has_no_param_sized_temporary(fused_apply):
-  shapes = [(1024, 256), (256, 1024), (512, 512), (1024,), (256,), (4, 256, 64)]
+  shapes = [(1024, 512), (512, 1024), (768, 768), (1024,), (256,), (4, 512, 256), (300, 200)]
   keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
   params = {
     f"p{i}": jax.random.normal(k, s) for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
