@@ -94,27 +94,28 @@ def psum_if(x, axis_name):
   return x if axis_name is None else jax.lax.psum(x, axis_name)
 
 
-def sq_norms(*xs, stacked_axes: int = 0, partial_size: int = 16):
+def sq_norms(*xs, stacked_axes: int = 0, partial_count: int = 16):
   """`sq_norm` of several same-shaped arrays, computed in one pass over memory.
 
-  Same values as `sq_norm` of each, up to float32 summation order: one
-  reduction sums runs of `partial_size` elements of every input at once, then
-  the partial sums are added up. On XLA:CPU this keeps the inputs' producers
-  (the LAMB direction) in one vectorised loop instead of one pass per norm.
+  Same values as `sq_norm` of each, up to float32 summation order: each array
+  is viewed as `partial_count` contiguous blocks, one reduction adds the blocks
+  together element by element for every input at once (a vectorised loop that
+  also evaluates the inputs' producers, e.g. the LAMB direction, once), and the
+  block-sized partial sums are then added up.
   """
   shape = jnp.shape(xs[0])
   lead, size = shape[:stacked_axes], math.prod(shape[stacked_axes:])
-  if size < 64 * partial_size or size % partial_size:
+  if size < 64 * partial_count or size % partial_count:
     return tuple(sq_norm(x, stacked_axes) for x in xs)
   squares = tuple(
     jnp.square(x.astype(compute_dtype(x.dtype))).reshape(
-      lead + (size // partial_size, partial_size)
+      lead + (partial_count, size // partial_count)
     )
     for x in xs
   )
   zeros = tuple(jnp.zeros((), s.dtype) for s in squares)
   partials = jax.lax.reduce(
-    squares, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (len(lead) + 1,)
+    squares, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (len(lead),)
   )
   return tuple(jnp.sum(s, axis=-1) for s in partials)
 
