@@ -419,3 +419,22 @@ def test_fused_hlo_keeps_u_out_of_memory():
   ]
   # m, v and p: one loop fusion each (g is read by the first two)
   assert len(big_fusions) == 3, "\n".join(big_fusions)
+
+
+def test_fused_under_inject_hyperparams_and_multisteps():
+  """Hyper-parameters arrive as arrays (inject_hyperparams); the state nests (MultiSteps)."""
+  params = make_params()
+  grads = [make_grads(params, t) for t in range(6)]
+  results = {}
+  for impl in ("xla", "reference"):
+    tx = optax.inject_hyperparams(optax_lamb.lamb, static_args=("implementation",))(
+      learning_rate=LR, weight_decay=0.01, min_trust_ratio=0.1, implementation=impl
+    )
+    results[impl] = run(optax.MultiSteps(tx, 2), params, grads)
+  assert_trees_close(results["xla"][0], results["reference"][0], rtol=1e-6, atol=1e-8)
+  assert_trees_close(
+    optax_lamb.trust_ratios(results["xla"][1]),
+    optax_lamb.trust_ratios(results["reference"][1]),
+    rtol=1e-6,
+    atol=0,
+  )
