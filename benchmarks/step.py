@@ -326,7 +326,11 @@ def describe_device() -> str:
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="small trees, a few runs (seconds)")
-  parser.add_argument("--skip-large", action="store_true", help="skip the BERT-large tree")
+  parser.add_argument(
+    "--skip-large",
+    action="store_true",
+    help="skip the BERT-large tree (it needs about 11 GB of memory)",
+  )
   parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
   parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time vs params")
   parser.add_argument("--runs", type=int, help="timed runs per figure (default 7, quick 3)")
