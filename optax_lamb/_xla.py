@@ -16,6 +16,10 @@ computations of u (which would materialise u, a param-sized temporary). When
 the moments are stored in a narrower dtype than they are computed in, pass 2
 recomputes them from the old moments instead, so u never sees the rounding.
 
+Leaves of at most 2^18 elements compute u once and keep it between the norm
+and the update instead: it stays in cache, and recomputing would cost more than
+it saves. Leaves without layer adaptation need no norm and take one pass.
+
 The state is the stage chain's state, leaf for leaf, so the two
 implementations are interchangeable. Every formula comes from `_math`.
 """
@@ -138,6 +142,14 @@ def update(
     u = _math.adam_direction(m, v, bc1, bc2, c.eps, c.eps_root).astype(g.dtype)
     return _math.add_decay(u, p, wd) if decay else u
 
+  def layer_ratio(p_sq, u_sq):
+    return _math.trust_ratio(
+      _math.psum_if(p_sq, c.axis_name),
+      _math.psum_if(u_sq, c.axis_name),
+      min_ratio=c.min_trust_ratio,
+      max_ratio=c.max_trust_ratio,
+    ).astype(jnp.float32)
+
   def leaf(g, m, v, p, decay, adapt, k):
     g = clipped(g)
     m_c, v_c = _math.update_moments(g, m, v, c.b1, c.b2)
@@ -147,22 +159,11 @@ def update(
     if adapt and jnp.size(p) <= _MATERIALISE_U_MAX_SIZE:
       # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
       u = direction(g, m_c, v_c, p, decay)
-      ratio = _math.trust_ratio(
-        _math.psum_if(_math.sq_norm(p, k), c.axis_name),
-        _math.psum_if(_math.sq_norm(u, k), c.axis_name),
-        min_ratio=c.min_trust_ratio,
-        max_ratio=c.max_trust_ratio,
-      ).astype(jnp.float32)
+      ratio = layer_ratio(_math.sq_norm(p, k), _math.sq_norm(u, k))
       p2, u = p, _math.scale_by_ratio(u, ratio)
     elif adapt:
       u = direction(g, m_c, v_c, p, decay)
-      p_sq, u_sq = _math.sq_norms(p, u, stacked_axes=k)
-      ratio = _math.trust_ratio(
-        _math.psum_if(p_sq, c.axis_name),
-        _math.psum_if(u_sq, c.axis_name),
-        min_ratio=c.min_trust_ratio,
-        max_ratio=c.max_trust_ratio,
-      ).astype(jnp.float32)
+      ratio = layer_ratio(*_math.sq_norms(p, u, stacked_axes=k))
       # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
       if from_new:
         p2, m2, v2, ratio2 = jax.lax.optimization_barrier((p, m_new, v_new, ratio))
