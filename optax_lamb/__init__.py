@@ -1,6 +1,7 @@
 """optax_lamb: the LAMB optimizer for JAX, as Optax transformations."""
 
 from optax_lamb._adam import scale_by_adam
+from optax_lamb._apply import update_and_apply
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
 from optax_lamb._faults import (
@@ -33,5 +34,6 @@ __all__ = (
   "skip_nonfinite",
   "trust_ratios",
   "unscale_gradients",
+  "update_and_apply",
   "with_master_weights",
 )

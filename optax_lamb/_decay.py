@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _tree
+from optax_lamb import _checks, _math, _tree
 
 
 def add_decayed_weights(
@@ -47,12 +47,7 @@ def add_decayed_weights(
       state = optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
     else:
       wd = weight_decay
-    # wd * p in the wider of the two dtypes: a bfloat16 p would round the product.
-    updates = jax.tree.map(
-      lambda u, p: (u + wd * p.astype(jnp.promote_types(u.dtype, p.dtype))).astype(u.dtype),
-      updates,
-      params,
-    )
+    updates = jax.tree.map(lambda u, p: _math.add_decay(u, p, wd), updates, params)
     return updates, state
 
   tx = optax.GradientTransformation(init_fn, update_fn)

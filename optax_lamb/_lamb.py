@@ -7,14 +7,14 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _checks, _faults, _tree, _validate
+from optax_lamb import _apply, _checks, _faults, _math, _tree, _validate, _xla
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
 from optax_lamb._mixed_precision import with_float32_gradients, with_master_weights
 from optax_lamb._trust_ratio import scale_by_trust_ratio
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
 
 
 def lamb(
@@ -82,7 +82,9 @@ def lamb(
       or per leaf a pytree prefix / callable(params) of those with ``None`` for
       replicated leaves. ``None`` (default): no leaf is sharded, as under
       ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
-    implementation: ``"xla"``, ``"pallas"`` or ``"auto"`` (XLA for now).
+    implementation: ``"xla"`` (two fused passes over memory per leaf),
+      ``"pallas"``, ``"auto"`` (XLA for now) or ``"reference"`` (the plain
+      chain of stages, slower; same values and state).
     skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
     grad_scale: divide the gradients by this loss scale before anything else: a
@@ -143,18 +145,33 @@ def lamb(
     optax.scale_by_learning_rate(learning_rate),
   )
 
+  fused = implementation != "reference"
+  config = _xla.LambConfig(**{k: v for k, v in locals().items() if k in _xla.CONFIG_FIELDS})
+
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError("lamb needs params for the trust ratio: call update(grads, state, params)")
     _tree.check_same_structure(updates, "updates (gradients)", params, "params")
+    if fused:
+      return _xla.update(config, updates, state, params)
     updates, state = stages.update(updates, state, params)
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     return updates, state
 
-  tx = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))
-  if master_weights:
-    tx = with_master_weights(tx)
+  def apply_fn(grads, state, params):
+    _validate.check_update_args(grads, params, "lamb")
+    grads = jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), grads)
+    return _xla.update(config, grads, state, params, apply=True)
+
+  # Low-precision gradients are handed over in float32, so no stage rounds them.
+  core = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))
+  tx = with_master_weights(core) if master_weights else core
   if skip_nonfinite:
     tx = _faults.skip_nonfinite(tx, axis_name=axis_name)
-  return _validate.validated(_faults.with_unscaling(tx, grad_scale), "lamb")
+  tx = _validate.validated(_faults.with_unscaling(tx, grad_scale), "lamb")
+  if fused and not (master_weights or skip_nonfinite or grad_scale is not None):
+    # update_and_apply writes the new params in the apply pass; with the wrappers
+    # above it falls back to update + apply_updates.
+    _apply.register_fused_apply(tx.update, apply_fn)
+  return tx

@@ -9,6 +9,8 @@ before the trust ratio, r the trust ratio.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -92,3 +94,42 @@ def clip_factor(global_sq_norm, max_norm):
 def psum_if(x, axis_name):
   """Sum over the named mapped axes (shard_map/pmap) when `axis_name` is given."""
   return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def sq_norms(*xs, stacked_axes: int = 0, partial_count: int = 16):
+  """`sq_norm` of several same-shaped arrays, computed in one pass over memory.
+
+  Same values as `sq_norm` of each, up to float32 summation order: each array
+  is viewed as `partial_count` contiguous blocks, one reduction adds the blocks
+  together element by element for every input at once (a vectorised loop that
+  also evaluates the inputs' producers, e.g. the LAMB direction, once), and the
+  block-sized partial sums are then added up.
+  """
+  shape = jnp.shape(xs[0])
+  lead, size = shape[:stacked_axes], math.prod(shape[stacked_axes:])
+  if size < 64 * partial_count or size % partial_count:
+    return tuple(sq_norm(x, stacked_axes) for x in xs)
+  squares = tuple(
+    jnp.square(x.astype(compute_dtype(x.dtype))).reshape(
+      lead + (partial_count, size // partial_count)
+    )
+    for x in xs
+  )
+  zeros = tuple(jnp.zeros((), s.dtype) for s in squares)
+  partials = jax.lax.reduce(
+    squares, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (len(lead),)
+  )
+  return tuple(jnp.sum(s, axis=-1) for s in partials)
+
+
+def add_decay(u, p, weight_decay):
+  """u + wd p, decoupled weight decay added to the direction, in u's dtype.
+
+  The product is taken in the wider of the two dtypes: a bfloat16 p would round it.
+  """
+  return (u + weight_decay * p.astype(jnp.promote_types(u.dtype, p.dtype))).astype(u.dtype)
+
+
+def scale_by_ratio(u, ratio):
+  """r u in float32 (at least), in u's dtype; `ratio` has the leaf's stacked shape."""
+  return (u.astype(compute_dtype(u.dtype)) * broadcast_ratio(ratio, u)).astype(u.dtype)

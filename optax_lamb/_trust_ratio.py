@@ -96,8 +96,7 @@ def scale_by_trust_ratio(
         min_ratio=min_ratio,
         max_ratio=max_ratio,
       ).astype(jnp.float32)
-      scaled = u.astype(_math.compute_dtype(u.dtype)) * _math.broadcast_ratio(r, u)
-      return scaled.astype(u.dtype), r
+      return _math.scale_by_ratio(u, r), r
 
     treedef = jax.tree.structure(updates)
     names = _tree.resolve_axis_names(axis_name, params)
