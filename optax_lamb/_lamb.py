@@ -97,11 +97,6 @@ def lamb(
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
   _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
-  if implementation == "pallas":
-    raise NotImplementedError(
-      "implementation='pallas' is not available yet: the fused Pallas kernel is not part of "
-      "this release. Use implementation='xla' (or 'auto')."
-    )
   if max_grad_norm is not None:
     _checks.check_positive("max_grad_norm", max_grad_norm)
   _checks.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
@@ -125,6 +120,12 @@ def lamb(
   )
 
   fused = implementation != "reference"
+  if implementation == "pallas":
+    from optax_lamb import _pallas  # imports Pallas only when asked for
+
+    fused_update = _pallas.update
+  else:
+    fused_update = _xla.update
   config = _xla.LambConfig(**{k: v for k, v in locals().items() if k in _xla.CONFIG_FIELDS})
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -133,14 +134,14 @@ def lamb(
       raise ValueError("lamb needs params for the trust ratio: call update(grads, state, params)")
     _tree.check_same_structure(updates, "updates (gradients)", params, "params")
     if fused:
-      return _xla.update(config, updates, state, params)
+      return fused_update(config, updates, state, params)
     updates, state = stages.update(updates, state, params)
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     return updates, state
 
   def apply_fn(grads, state, params):
     _tree.check_same_structure(grads, "updates (gradients)", params, "params")
-    return _xla.update(config, grads, state, params, apply=True)
+    return fused_update(config, grads, state, params, apply=True)
 
   if fused:
     _apply.register_fused_apply(update_fn, apply_fn)
