@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from typing import Any
@@ -50,9 +51,12 @@ from jax.experimental.pallas import triton as plt
 from optax_lamb import _clipping, _math, _tree, _xla
 from optax_lamb._trust_ratio import ScaleByTrustRatioState
 
-# Positions of the runtime scalars in the `scalars` input (length 8: a power of two).
-BC1, BC2, WEIGHT_DECAY, STEP_SIZE, CLIP_FACTOR = range(5)
-NUM_SCALARS = 8
+# Positions of the runtime scalars in the `scalars` input (length 16: a power of two). b1, b2,
+# eps and eps_root are compile-time constants when they are Python numbers (as in the XLA path)
+# and runtime scalars otherwise (optax.inject_hyperparams passes arrays).
+BC1, BC2, WEIGHT_DECAY, STEP_SIZE, CLIP_FACTOR, B1, B2, EPS, EPS_ROOT = range(9)
+NUM_SCALARS = 16
+_CONSTANTS = {"b1": B1, "b2": B2, "eps": EPS, "eps_root": EPS_ROOT}
 _INT32_LIMIT = 2**31 - 1
 _PARAM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The Pallas Triton backend is deprecated from jax 0.11 but still works (KERNEL.md).
@@ -221,8 +225,14 @@ def _store(ref, start, mask, block, value):
   plt.store(ref.at[pl.ds(start, block)], value.astype(ref.dtype), mask=mask)
 
 
+def _constant(value, scalars, name):
+  """A static hyper-parameter, or its runtime scalar when it was not a Python number (None)."""
+  return scalars[_CONSTANTS[name]] if value is None else value
+
+
 def _direction(g_dtype, m, v, p, scalars, *, eps, eps_root, decay, weak_wd):
   """u as the XLA path computes it: Adam direction in g's dtype, plus wd p (`_math`)."""
+  eps, eps_root = _constant(eps, scalars, "eps"), _constant(eps_root, scalars, "eps_root")
   u = _math.adam_direction(m, v, scalars[BC1], scalars[BC2], eps, eps_root).astype(g_dtype)
   if not decay:
     return u
@@ -244,10 +254,10 @@ def moments_kernel(
   *refs,
   table: tuple[LeafChunks, ...],
   block: int,
-  b1: float,
-  b2: float,
-  eps: float,
-  eps_root: float,
+  b1: float | None,
+  b2: float | None,
+  eps: float | None,
+  eps_root: float | None,
   clip: bool,
   weak_wd: bool,
 ):
@@ -268,7 +278,7 @@ def moments_kernel(
     v = _load(vs[j], start, mask, block)
     if clip:
       g = (g * scalars[CLIP_FACTOR]).astype(g.dtype)
-    m, v = _math.update_moments(g, m, v, b1, b2)
+    m, v = _math.update_moments(g, m, v, _constant(b1, scalars, "b1"), _constant(b2, scalars, "b2"))
     # Every input of this chunk is read above, before its alias is written.
     _store(m_outs[j], start, mask, block, m)
     _store(v_outs[j], start, mask, block, v)
@@ -293,8 +303,8 @@ def apply_kernel(
   *refs,
   table: tuple[LeafChunks, ...],
   block: int,
-  eps: float,
-  eps_root: float,
+  eps: float | None,
+  eps_root: float | None,
   g_dtypes: tuple[Any, ...],
   weak_wd: bool,
   weak_lr: bool,
@@ -338,13 +348,16 @@ def _full(n: int) -> pl.BlockSpec:
 
 
 def _out_struct(shape, dtype, like):
-  """ShapeDtypeStruct carrying `like`'s manual-axis type (pallas_call inside shard_map)."""
-  try:
-    vma = jax.typeof(like).vma
-  except AttributeError:
-    vma = None
-  if vma:
-    return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+  """ShapeDtypeStruct with `like`'s manual-axis type, for a pallas_call inside shard_map.
+
+  jax 0.10 names the field ``manual_axis_type``; later versions may call it ``vma``.
+  """
+  aval = jax.typeof(like)
+  fields = inspect.signature(jax.ShapeDtypeStruct).parameters
+  for field in ("manual_axis_type", "vma"):
+    value = getattr(aval, field, None)
+    if field in fields and value is not None:
+      return jax.ShapeDtypeStruct(shape, dtype, **{field: value})
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
@@ -476,6 +489,11 @@ def apply_updates(
 # ---------------------------------------------------------------------------- lamb update
 
 
+def _static_number(x) -> float | None:
+  """x if it is a Python number (a compile-time constant of the kernels), else None."""
+  return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 def _is_weak(x) -> bool:
   """Whether x takes the dtype of the array it multiplies (Python scalars, weak tracers)."""
   return jnp.result_type(x, jnp.bfloat16) == jnp.bfloat16
@@ -483,9 +501,6 @@ def _is_weak(x) -> bool:
 
 def unsupported_reason(config: _xla.LambConfig, grads, mu, nu, params, block_sizes) -> str | None:
   """Why this call cannot run on the kernels (then it runs on the XLA path), or None."""
-  for name in ("b1", "b2", "eps", "eps_root"):
-    if not isinstance(getattr(config, name), (int, float)):
-      return f"{name} is not a Python number"
   for g, m, v, p in zip(*(jax.tree.leaves(t) for t in (grads, mu, nu, params)), strict=True):
     if math.prod(jnp.shape(p)) == 0:
       continue
@@ -540,9 +555,15 @@ def update(
     factor = _math.clip_factor(_clipping.global_sq_norm(grads, c.axis_name), c.max_grad_norm)
   else:
     factor = jnp.ones((), jnp.float32)
+  # Python numbers stay compile-time constants (None here); arrays go in as runtime scalars.
+  static = {k: _static_number(getattr(c, k)) for k in _CONSTANTS}
+  constants = [
+    jnp.zeros((), jnp.float32) if static[k] is not None else getattr(c, k) for k in _CONSTANTS
+  ]
+  runtime = (bc1, bc2, wd, step_size, factor, *constants)
   scalars = jnp.stack(
-    [jnp.asarray(x, jnp.float32) for x in (bc1, bc2, wd, step_size, factor)]
-    + [jnp.zeros((), jnp.float32)] * (NUM_SCALARS - 5)
+    [jnp.asarray(x, jnp.float32) for x in runtime]
+    + [jnp.zeros((), jnp.float32)] * (NUM_SCALARS - len(runtime))
   )
 
   gs = treedef.flatten_up_to(grads)
@@ -571,10 +592,10 @@ def update(
       bucket(vs),
       table=table,
       block_sizes=block_sizes,
-      b1=c.b1,
-      b2=c.b2,
-      eps=c.eps,
-      eps_root=c.eps_root,
+      b1=static["b1"],
+      b2=static["b2"],
+      eps=static["eps"],
+      eps_root=static["eps_root"],
       clip=clip,
       weak_wd=weak_wd,
       interpret=interpret,
@@ -604,8 +625,8 @@ def update(
       v_new,
       table=table,
       block_sizes=block_sizes,
-      eps=c.eps,
-      eps_root=c.eps_root,
+      eps=static["eps"],
+      eps_root=static["eps_root"],
       g_dtypes=tuple(jnp.dtype(gs[i].dtype) for i in indices),
       weak_wd=weak_wd,
       weak_lr=weak_lr,
