@@ -76,7 +76,10 @@ def lamb(
       ``shard_map``/``pmap``; norms are ``psum``'d over them. ``None`` for
       replicated or unsharded leaves.
     implementation: ``"xla"`` (two fused passes over memory per leaf),
-      ``"pallas"``, ``"auto"`` (XLA for now) or ``"reference"`` (the plain
+      ``"pallas"`` (two Triton kernels per bucket of leaves, experimental: not
+      yet compiled or validated on a GPU; without a GPU it runs in Pallas
+      interpret mode, slowly), ``"auto"`` (the XLA path on every backend until
+      the Pallas kernels are validated on a GPU) or ``"reference"`` (the plain
       chain of stages, slower; same values and state).
 
   Returns:

@@ -366,10 +366,11 @@ def _compiler_params(block_sizes: BlockSizes):
   return plt.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
 
 
-def _call(kernel, **kwargs):
+def _call(kernel, *args, **kwargs):
+  """pl.pallas_call(kernel, **kwargs)(*args), without the Triton backend's DeprecationWarning."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
-    return pl.pallas_call(kernel, **kwargs)
+    return pl.pallas_call(kernel, **kwargs)(*args)
 
 
 @functools.partial(
@@ -397,7 +398,7 @@ def moments_and_norms(
         raise ValueError(f"leaf {j}: {name}.shape={x.shape} must equal p.shape={p.shape} (1-D)")
   programs = sum(leaf.programs for leaf in table)
   sizes = [p.shape[0] for p in ps]
-  part = pl.BlockSpec((None,), lambda i: (i,))
+  part = pl.BlockSpec((pl.squeezed,), lambda i: (i,))  # one scalar per program
   kernel = functools.partial(
     moments_kernel,
     table=table,
@@ -411,6 +412,11 @@ def moments_and_norms(
   )
   out = _call(
     kernel,
+    scalars,
+    *ps,
+    *gs,
+    *ms,
+    *vs,
     grid=(programs,),
     in_specs=[_full(NUM_SCALARS)] + [_full(s) for s in sizes] * 4,
     out_specs=[_full(s) for s in sizes] * 2 + [part, part],
@@ -424,7 +430,7 @@ def moments_and_norms(
     interpret=interpret,
     compiler_params=_compiler_params(block_sizes),
     name="lamb_moments",
-  )(scalars, *ps, *gs, *ms, *vs)
+  )
   return out[:n], out[n : 2 * n], out[2 * n], out[2 * n + 1]
 
 
@@ -475,6 +481,11 @@ def apply_updates(
   )
   return _call(
     kernel,
+    scalars,
+    ratios,
+    *ps,
+    *ms,
+    *vs,
     grid=(sum(leaf.programs for leaf in table),),
     in_specs=[_full(NUM_SCALARS), _full(ratios.shape[0])] + [_full(s) for s in sizes] * 3,
     out_specs=[_full(s) for s in sizes],
@@ -483,7 +494,7 @@ def apply_updates(
     interpret=interpret,
     compiler_params=_compiler_params(block_sizes),
     name="lamb_apply" if apply else "lamb_updates",
-  )(scalars, ratios, *ps, *ms, *vs)
+  )
 
 
 # ---------------------------------------------------------------------------- lamb update
