@@ -57,6 +57,25 @@ from optax_lamb._trust_ratio import ScaleByTrustRatioState
 BC1, BC2, WEIGHT_DECAY, STEP_SIZE, CLIP_FACTOR, B1, B2, EPS, EPS_ROOT = range(9)
 NUM_SCALARS = 16
 _CONSTANTS = {"b1": B1, "b2": B2, "eps": EPS, "eps_root": EPS_ROOT}
+# The lamb options the kernels implement; any other option that is set falls back to XLA.
+_HANDLED_OPTIONS = frozenset(
+  (
+    "learning_rate",
+    "b1",
+    "b2",
+    "eps",
+    "eps_root",
+    "weight_decay",
+    "mask",
+    "bias_correction",
+    "trust_ratio_mask",
+    "min_trust_ratio",
+    "max_trust_ratio",
+    "max_grad_norm",
+    "stacked_axes",
+    "axis_name",
+  )
+)
 _INT32_LIMIT = 2**31 - 1
 _PARAM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The Pallas Triton backend is deprecated from jax 0.11 but still works (KERNEL.md).
@@ -512,6 +531,10 @@ def _is_weak(x) -> bool:
 
 def unsupported_reason(config: _xla.LambConfig, grads, mu, nu, params, block_sizes) -> str | None:
   """Why this call cannot run on the kernels (then it runs on the XLA path), or None."""
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name not in _HANDLED_OPTIONS and value is not None and value is not False:
+      return f"option {field.name}={value!r} is not implemented by the kernels"
   for g, m, v, p in zip(*(jax.tree.leaves(t) for t in (grads, mu, nu, params)), strict=True):
     if math.prod(jnp.shape(p)) == 0:
       continue

@@ -13,6 +13,7 @@ shows up as a value mismatch; outputs that a program forgets to write start
 as NaN, hence the all-finite checks.
 """
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -391,6 +392,19 @@ def test_narrow_moments_fall_back_to_xla_with_a_warning():
     got = update_then_apply(pallas, params, pallas.init(params), grads)
   want = update_then_apply(xla, params, xla.init(params), grads)
   assert_equal(got, want)
+
+
+def test_options_the_kernels_do_not_know_fall_back():
+  """An option added to lamb later (e.g. skip_nonfinite) is not silently ignored by the kernels."""
+  extended = dataclasses.make_dataclass(
+    "ExtendedConfig", [("skip_nonfinite", bool, False)], bases=(_xla.LambConfig,), frozen=True
+  )
+  x = [jnp.ones(3)]
+  config = extended(**dataclasses.asdict(_config()), skip_nonfinite=True)
+  reason = _pallas.unsupported_reason(config, x, x, x, x, BLOCK_SIZES)
+  assert "skip_nonfinite" in reason
+  config = extended(**dataclasses.asdict(_config()), skip_nonfinite=False)
+  assert _pallas.unsupported_reason(config, x, x, x, x, BLOCK_SIZES) is None
 
 
 def test_pallas_without_a_gpu_warns_once_that_it_interprets():
