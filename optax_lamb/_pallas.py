@@ -29,7 +29,9 @@ Byte addresses are formed by Triton's 64-bit pointer arithmetic.
 Status: verified in interpret mode on the CPU only; the Triton lowering has
 not been compiled or timed on a GPU yet.
 
-Every formula comes from `_math`; the state is the stage chain's state.
+Every formula comes from `_math`; the state is the stage chain's state. The
+pure-jnp reference that the tests compare with, and the fallback for what the
+kernels do not cover, is the XLA path, `_xla.update`.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def _chunk_position(pid, leaf: LeafChunks, block: int):
   if leaf.slices == 1:
     s, c = jnp.int32(0), local
   else:
-    s = local // leaf.chunks
+    s = jax.lax.div(local, jnp.int32(leaf.chunks))  # local >= 0: a plain truncating division
     c = local - s * leaf.chunks
   start = c * block
   mask = start + jnp.arange(block, dtype=jnp.int32) < leaf.length
