@@ -16,6 +16,7 @@ as NaN, hence the all-finite checks.
 import dataclasses
 import functools
 import os
+import re
 import warnings
 
 import jax
@@ -330,6 +331,57 @@ def test_chunk_table_covers_every_element_once():
         hi = min(lo + block, leaf.length)
         covered[s * leaf.length + lo : s * leaf.length + hi] += 1
       assert (covered == 1).all(), names[i]
+
+
+def _lower_for_cuda(step, *args, donate=()):
+  """StableHLO text of `step` lowered for a CUDA GPU: runs the Triton lowering without a GPU."""
+  with _pallas.options(block_sizes=BLOCK_SIZES, interpret=False), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return (
+      jax.jit(step, donate_argnums=donate)
+      .trace(*args)
+      .lower(lowering_platforms=("cuda",))
+      .as_text()
+    )
+
+
+def _triton_calls(hlo):
+  return [
+    line
+    for line in hlo.splitlines()
+    if "custom_call @__gpu$xla.gpu.triton" in line or "custom_call @triton_kernel_call" in line
+  ]
+
+
+@pytest.mark.parametrize("fused_apply", [False, True])
+def test_kernels_lower_to_triton_for_cuda(fused_apply):
+  """Every primitive in the kernels has a Triton lowering; two kernels per bucket; p, m, v aliased."""
+  kwargs, _ = CASES["combined"]
+  params = make_params(SEED)
+  tx = build(kwargs, "pallas")
+  if fused_apply:
+    step = lambda p, s, g: optax_lamb.update_and_apply(tx, g, s, p)
+  else:
+    step = functools.partial(update_then_apply, tx)
+  hlo = _lower_for_cuda(step, params, tx.init(params), params, donate=(0, 1))
+  calls = _triton_calls(hlo)
+  buckets = _pallas.leaf_chunks(
+    list(SHAPES.values()), list(STACKED.values()), [True] * 8, [True] * 8, BLOCK_SIZES
+  )
+  assert len(calls) == 2 * len(buckets), "\n".join(calls)
+  aliases = sum(line.count("output_operand_alias<") for line in calls)
+  leaves = sum(len(indices) for indices, _ in buckets)
+  assert aliases == (3 if fused_apply else 2) * leaves  # m and v in pass 1, p in pass 2
+
+
+def test_leaf_over_two_gigabytes_lowers_for_cuda():
+  """A 2.4 GB float32 leaf: the chunk table and the Triton lowering use int32 element offsets."""
+  big = {"w": jax.ShapeDtypeStruct((600_000_000,), jnp.float32)}
+  tx = optax_lamb.lamb(LR, implementation="pallas")
+  state = jax.eval_shape(tx.init, big)
+  hlo = _lower_for_cuda(lambda p, s, g: optax_lamb.update_and_apply(tx, g, s, p), big, state, big)
+  grid = sorted({int(x) for x in re.findall(r"grid_x = (\d+)", hlo)})
+  assert grid == [-(-600_000_000 // BLOCK_SIZES.block)], grid
 
 
 def test_leaves_over_two_gigabytes_use_int32_element_offsets():
