@@ -187,17 +187,21 @@ class TestPallasGPU:
       # update_and_apply adds p + u in the kernel; the compiler may contract it into an FMA.
       assert_close(fused[0], (p_pl, s_pl), rtol=1e-6, atol=1e-8, msg=msg)
 
-  def test_deterministic(self):
+  def test_deterministic_with_donated_buffers(self):
     kwargs, scale = CASES["combined"]
     tx = build(kwargs, "pallas")
     params = make_params(SEED)
     grads = make_grads(params, SEED + 1, scale)
-    step = jax.jit(functools.partial(update_then_apply, tx))
     state = tx.init(params)
-    first = step(params, state, grads)
-    second = step(params, state, grads)
+    step = jax.jit(lambda p, s, g: optax_lamb.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # donated buffers the backend cannot reuse
+      first = step(copy(params), copy(state), grads)
+      second = step(copy(params), copy(state), grads)
     assert_finite(first)
     assert_equal(first, second, f"PALLAS_TEST_SEED={SEED}")
+    assert_close(first, update_then_apply(build(kwargs, "xla"), params, state, grads))
 
   def test_state_interchangeable_with_xla(self):
     kwargs, scale = CASES["combined"]
@@ -432,6 +436,16 @@ def _config(**kwargs):
 def test_block_sizes_validate(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _pallas.BlockSizes(**kwargs)
+
+
+def test_mismatched_leaf_shapes_raise_with_the_shapes():
+  params = {"w": jnp.ones((4, 8))}
+  tx = optax_lamb.lamb(LR, implementation="pallas")
+  state = tx.init(params)
+  state = (state[0], state[1]._replace(mu={"w": jnp.ones((33,))}), *state[2:])
+  with _pallas.options(block_sizes=BLOCK_SIZES, interpret=True):
+    with pytest.raises(ValueError, match=r"m.shape=\(33,\) must equal p.shape=\(32,\)"):
+      tx.update(params, state, params)
 
 
 def test_narrow_moments_fall_back_to_xla_with_a_warning():
