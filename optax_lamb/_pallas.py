@@ -8,7 +8,8 @@ flattened to 1-D; no packing into flat buffers):
   sums of ||p||^2 and ||u||^2, u = Adam direction (+ wd p);
 * in XLA, the partials are summed per leaf (per stacked slice) by a reshape
   and a sum (deterministic: no scatter, no float atomics), psum'd over
-  ``axis_name`` and turned into ratios by ``_math.trust_ratio``;
+  ``axis_name`` in one collective for the whole tree, and turned into ratios
+  by ``_math.trust_ratio``;
 * pass 2 (``apply_kernel``) reads p, m', v', recomputes u with the same
   expressions in the same order (so the same float32 values as pass 1) and
   writes either the updates -lr r u or, for ``update_and_apply``, the new
@@ -618,14 +619,18 @@ def update(
   nu = [v.astype(v.dtype) for v in vs]
   ratios = [jnp.ones(s[:k], jnp.float32) for s, k in zip(shapes, axes, strict=True)]
 
-  for indices, table in leaf_chunks(shapes, axes, adapts, decays, block_sizes):
-    bucket = lambda xs, indices=indices: [flat(xs[i]) for i in indices]
+  buckets = leaf_chunks(shapes, axes, adapts, decays, block_sizes)
+  bucket = lambda xs, indices: [flat(xs[i]) for i in indices]
+
+  # Pass 1 of every bucket, then the per-slice norms of all adapted leaves in one vector.
+  moments, p_sums, u_sums = [], [], []
+  for indices, table in buckets:
     m_new, v_new, p_part, u_part = moments_and_norms(
       scalars,
-      bucket(ps),
-      bucket(gs),
-      bucket(ms),
-      bucket(vs),
+      bucket(ps, indices),
+      bucket(gs, indices),
+      bucket(ms, indices),
+      bucket(vs, indices),
       table=table,
       block_sizes=block_sizes,
       b1=static["b1"],
@@ -636,27 +641,37 @@ def update(
       weak_wd=weak_wd,
       interpret=interpret,
     )
+    moments.append((m_new, v_new))
+    for leaf in table:
+      if leaf.adapt:
+        # Per-slice sums: a slice's chunks are consecutive programs (no scatter, deterministic).
+        chunks = slice(leaf.first, leaf.first + leaf.programs)
+        p_sums.append(jnp.sum(p_part[chunks].reshape(leaf.slices, leaf.chunks), axis=1))
+        u_sums.append(jnp.sum(u_part[chunks].reshape(leaf.slices, leaf.chunks), axis=1))
+  if p_sums:
+    # One psum for the whole tree (not one per leaf); trust_ratio is elementwise.
+    all_ratios = _math.trust_ratio(
+      _math.psum_if(jnp.concatenate(p_sums), c.axis_name),
+      _math.psum_if(jnp.concatenate(u_sums), c.axis_name),
+      min_ratio=c.min_trust_ratio,
+      max_ratio=c.max_trust_ratio,
+    ).astype(jnp.float32)
+  offset = 0
+
+  # Pass 2 of every bucket, with its leaves' ratios.
+  for (indices, table), (m_new, v_new) in zip(buckets, moments, strict=True):
     bucket_ratios = []
     for i, leaf in zip(indices, table, strict=True):
-      if not leaf.adapt:
-        continue
-      # Per-slice sums: the slice's chunks are consecutive programs (no scatter, deterministic).
-      per_slice = lambda x, leaf=leaf: jnp.sum(
-        x[leaf.first : leaf.first + leaf.programs].reshape(leaf.slices, leaf.chunks), axis=1
-      )
-      ratio = _math.trust_ratio(
-        _math.psum_if(per_slice(p_part), c.axis_name),
-        _math.psum_if(per_slice(u_part), c.axis_name),
-        min_ratio=c.min_trust_ratio,
-        max_ratio=c.max_trust_ratio,
-      ).astype(jnp.float32)
-      ratios[i] = ratio.reshape(shapes[i][: axes[i]])
-      bucket_ratios.append(ratio)
+      if leaf.adapt:
+        ratio = all_ratios[offset : offset + leaf.slices]
+        offset += leaf.slices
+        ratios[i] = ratio.reshape(shapes[i][: axes[i]])
+        bucket_ratios.append(ratio)
     ratio_vector = jnp.concatenate(bucket_ratios or [jnp.ones((1,), jnp.float32)])
     new = apply_updates(
       scalars,
       ratio_vector,
-      bucket(ps),
+      bucket(ps, indices),
       m_new,
       v_new,
       table=table,
