@@ -256,9 +256,11 @@ class TestPallasGPU:
     assert_close(s_pl[1], s_xla[1], rtol=1e-5, atol=1e-7, msg=msg)
 
   def test_sharded_leaves_psum_the_norms(self):
+    # 8 host devices on the CPU (tests/conftest.py); on one GPU a 1-device mesh still runs the
+    # kernels inside shard_map with manual axes.
     devices = np.array(jax.devices()[:8])
-    if devices.size < 8:
-      pytest.skip("needs 8 devices (tests/conftest.py sets them for the CPU)")
+    if devices.size not in (1, 2, 4, 8):
+      pytest.skip(f"needs 1, 2, 4 or 8 devices, has {devices.size}")
     mesh = jax.sharding.Mesh(devices, ("d",))
     spec = jax.sharding.PartitionSpec("d")
     k = jax.random.split(jax.random.PRNGKey(SEED), 2)
