@@ -27,8 +27,9 @@ Index arithmetic is int32 in element units: a leaf may exceed 2^31 bytes but
 must have fewer than 2^31 - block elements (larger leaves fall back to XLA).
 Byte addresses are formed by Triton's 64-bit pointer arithmetic.
 
-Status: verified in interpret mode on the CPU only; the Triton lowering has
-not been compiled or timed on a GPU yet.
+Status: verified in interpret mode on the CPU, and lowered to Triton IR for
+CUDA without a GPU (tests/test_pallas.py); not yet compiled by Triton, run or
+timed on a GPU.
 
 Every formula comes from `_math`; the state is the stage chain's state. The
 pure-jnp reference that the tests compare with, and the fallback for what the
