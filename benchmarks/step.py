@@ -154,6 +154,18 @@ IMPLEMENTATIONS: dict[str, tuple[str, Callable, Callable]] = {
     lambda: optax_lamb.lamb(LEARNING_RATE, weight_decay=WEIGHT_DECAY, implementation="reference"),
     _update_then_apply,
   ),
+  # The Pallas kernels (optax_lamb/_pallas.py): update + apply, and update_and_apply. Without a
+  # GPU they run in interpret mode, so only with --quick there.
+  "pallas.lamb": (
+    "ours",
+    lambda: optax_lamb.lamb(LEARNING_RATE, weight_decay=WEIGHT_DECAY, implementation="pallas"),
+    _update_then_apply,
+  ),
+  "pallas.apply": (
+    "ours",
+    lambda: optax_lamb.lamb(LEARNING_RATE, weight_decay=WEIGHT_DECAY, implementation="pallas"),
+    _update_and_apply,
+  ),
 }
 DEFAULT_IMPLEMENTATIONS = ("optax.lamb", "optax_lamb.lamb", "update_and_apply")
 
@@ -344,6 +356,9 @@ def main(argv: list[str] | None = None) -> dict:
     help="implementations to time (optax.lamb first gives the ratios)",
   )
   args = parser.parse_args(argv)
+  if not args.quick and jax.default_backend() != "gpu":
+    if any(impl.startswith("pallas") for impl in args.impls):
+      parser.error("the pallas implementations run in interpret mode without a GPU: use --quick")
   runs = args.runs or (3 if args.quick else 7)
   cases = _cases(args.quick, args.skip_large)
   if args.cases:

@@ -83,7 +83,10 @@ def lamb(
       replicated leaves. ``None`` (default): no leaf is sharded, as under
       ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
     implementation: ``"xla"`` (two fused passes over memory per leaf),
-      ``"pallas"``, ``"auto"`` (XLA for now) or ``"reference"`` (the plain
+      ``"pallas"`` (two Triton kernels per bucket of leaves, experimental: not
+      yet compiled or validated on a GPU; without a GPU it runs in Pallas
+      interpret mode, slowly), ``"auto"`` (the XLA path on every backend until
+      the Pallas kernels are validated on a GPU) or ``"reference"`` (the plain
       chain of stages, slower; same values and state).
     skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
@@ -115,11 +118,6 @@ def lamb(
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
   _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
-  if implementation == "pallas":
-    raise NotImplementedError(
-      "implementation='pallas' is not available yet: the fused Pallas kernel is not part of "
-      "this release. Use implementation='xla' (or 'auto')."
-    )
   if max_grad_norm is not None:
     _checks.check_positive("max_grad_norm", max_grad_norm)
   _checks.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
@@ -146,6 +144,12 @@ def lamb(
   )
 
   fused = implementation != "reference"
+  if implementation == "pallas":
+    from optax_lamb import _pallas  # imports Pallas only when asked for
+
+    fused_update = _pallas.update
+  else:
+    fused_update = _xla.update
   config = _xla.LambConfig(**{k: v for k, v in locals().items() if k in _xla.CONFIG_FIELDS})
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -154,7 +158,7 @@ def lamb(
       raise ValueError("lamb needs params for the trust ratio: call update(grads, state, params)")
     _tree.check_same_structure(updates, "updates (gradients)", params, "params")
     if fused:
-      return _xla.update(config, updates, state, params)
+      return fused_update(config, updates, state, params)
     updates, state = stages.update(updates, state, params)
     updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
     return updates, state
@@ -162,7 +166,7 @@ def lamb(
   def apply_fn(grads, state, params):
     _validate.check_update_args(grads, params, "lamb")
     grads = jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), grads)
-    return _xla.update(config, grads, state, params, apply=True)
+    return fused_update(config, grads, state, params, apply=True)
 
   # Low-precision gradients are handed over in float32, so no stage rounds them.
   core = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))
