@@ -6,7 +6,7 @@ import numpy as np
 import optax
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from np_lamb_reference import NumpyLamb
+from lamb_reference import NumpyLamb as ReferenceLamb
 
 import optax_lamb
 
@@ -85,8 +85,7 @@ def test_two_steps_match_the_float64_reference(problem):
   params, grads, kwargs, _ = problem
   tx = optax_lamb.lamb(**kwargs)
   state = tx.init(params)
-  ref = NumpyLamb(
-    params,
+  ref = ReferenceLamb(
     kwargs["learning_rate"],
     b1=kwargs["b1"],
     b2=kwargs["b2"],
@@ -98,13 +97,20 @@ def test_two_steps_match_the_float64_reference(problem):
   )
   for g in grads:
     updates, state = tx.update(g, state, params)
-    expected = ref.step(g, params)
+    expected = ref.step({k: np.asarray(p) for k, p in params.items()}, g)
     for k in params:
       want = expected[k] - np.asarray(params[k], np.float64)
       scale = np.max(np.abs(want), initial=0.0)
-      # float32 math; 1 - b2^t in float32 is off by up to ~1e-4 relative for b2 near 1.
-      np.testing.assert_allclose(np.asarray(updates[k]), want, rtol=1e-3, atol=1e-3 * scale + 1e-12)
-      np.testing.assert_allclose(float(optax_lamb.trust_ratios(state)[k]), ref.ratios[k], rtol=1e-3)
+      # float32 math; 1 - b2^t in float32 is off by up to ~1e-4 relative for b2 near 1,
+      # and a decay that cancels the Adam step (a clamped ratio keeps the result small)
+      # amplifies rounding by the reference's condition number.
+      cond = ref.ratio_condition[k]
+      np.testing.assert_allclose(
+        np.asarray(updates[k]), want, rtol=1e-3 * cond, atol=1e-3 * scale * cond + 1e-12
+      )
+      np.testing.assert_allclose(
+        float(optax_lamb.trust_ratios(state)[k]), ref.ratios[k], rtol=1e-3 * cond
+      )
     params = optax.apply_updates(params, updates)
 
 

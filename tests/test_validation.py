@@ -54,9 +54,12 @@ def test_array_hyperparameters_are_not_checked_at_build_time():
   optax_lamb.lamb(jnp.asarray(1e-3), b1=jnp.asarray(0.9), weight_decay=jnp.asarray(0.0))
 
 
-def test_pallas_is_not_implemented_yet():
-  with pytest.raises(NotImplementedError, match="pallas"):
-    optax_lamb.lamb(1e-3, implementation="pallas")
+def test_auto_is_the_xla_path_until_the_kernel_is_validated_on_a_gpu(fresh_rng):
+  params = {"w": jnp.asarray(fresh_rng.standard_normal((4, 3)), jnp.float32)}
+  a, b = optax_lamb.lamb(1e-2), optax_lamb.lamb(1e-2, implementation="xla")
+  ua, _ = a.update(params, a.init(params), params)
+  ub, _ = b.update(params, b.init(params), params)
+  np.testing.assert_array_equal(ua["w"], ub["w"])
 
 
 def _tree():
