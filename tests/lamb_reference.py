@@ -16,7 +16,9 @@ You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2 (LAMB
   x_{t+1} = x_t - eta_t * phi(||x_t||) / ||r_t + lambda x_t|| * (r_t + lambda x_t)
 
 with the ratio 1 when either norm is zero, and global-norm clipping of g_t before
-the moments when max_grad_norm is given. Plain dicts of NumPy arrays only: no jax,
+the moments when max_grad_norm is given. With grad_scale, g_t is first divided by
+it (a schedule sees the number of calls); with skip_nonfinite a call whose g_t
+holds a NaN or an Inf changes nothing and is counted. Plain dicts of NumPy arrays only: no jax,
 no optax, no code shared with the library.
 """
 
@@ -47,6 +49,8 @@ class NumpyLamb:
     max_ratio=None,
     max_grad_norm=None,
     stacked_axes=None,
+    grad_scale=None,
+    skip_nonfinite=False,
   ):
     self.lr = _as_fn(learning_rate)
     self.wd = _as_fn(weight_decay)
@@ -57,7 +61,11 @@ class NumpyLamb:
     self.min_ratio, self.max_ratio = min_ratio, max_ratio
     self.max_grad_norm = max_grad_norm
     self.stacked_axes = stacked_axes or {}
-    self.t = 0
+    self.grad_scale = grad_scale
+    self.skip_nonfinite = skip_nonfinite
+    self.t = 0  # applied steps
+    self.calls = 0  # calls, skipped ones included
+    self.skipped = self.consecutive = 0
     self.m = self.v = None
     self.ratios = {}
     # Condition number of each ratio, worst layer: (||adam|| + ||wd x||) / ||adam + wd x||
@@ -84,6 +92,15 @@ class NumpyLamb:
     if self.m is None:
       self.m = {k: np.zeros_like(p) for k, p in params.items()}
       self.v = {k: np.zeros_like(p) for k, p in params.items()}
+    scale = self.grad_scale(self.calls) if callable(self.grad_scale) else self.grad_scale
+    self.calls += 1
+    if scale is not None:
+      grads = {k: g / float(scale) for k, g in grads.items()}
+    if self.skip_nonfinite and not all(np.all(np.isfinite(g)) for g in grads.values()):
+      self.skipped += 1
+      self.consecutive += 1
+      return params
+    self.consecutive = 0
     step_count = self.t  # what an optax schedule sees
     self.t += 1
     if self.max_grad_norm is not None:

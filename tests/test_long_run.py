@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from np_lamb_reference import NumpyLamb
+from lamb_reference import NumpyLamb
 
 import optax_lamb
 
@@ -51,7 +51,6 @@ def run_long(dtype, master_weights):
   trajectory = jax.tree.map(np.asarray, trajectory)
 
   ref = NumpyLamb(
-    {k: np.asarray(v, np.float64) for k, v in params.items()},
     lambda t: float(lr(t)),
     weight_decay=0.01,
     max_grad_norm=5.0,
@@ -61,7 +60,7 @@ def run_long(dtype, master_weights):
   p_ref = {k: np.asarray(v, np.float64) for k, v in params.items()}
   worst = 0.0
   for t in range(STEPS):
-    p_ref = ref.step(grad_fn(p_ref, t), p_ref)
+    p_ref = ref.step(p_ref, grad_fn(p_ref, t))
     if t % 50 == 49 or t == STEPS - 1:
       for k in p_ref:
         got = np.asarray(trajectory[k][t], np.float64)
