@@ -191,16 +191,12 @@ def skip_counts(opt_state: Any) -> SkipCounts:
   Returns:
     :class:`SkipCounts` ``(total, consecutive)`` as int32 scalars.
   """
-  found = [
-    s
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState))
-    if isinstance(s, SkipNonFiniteState)
-  ]
-  if not found:
-    raise ValueError(
-      "No skip_nonfinite stage in this optimizer state: build it with "
-      "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx)."
-    )
+  found = _tree.find_states(
+    opt_state,
+    SkipNonFiniteState,
+    "No skip_nonfinite stage in this optimizer state: build it with "
+    "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx).",
+  )
   return SkipCounts(total=found[0].total, consecutive=found[0].consecutive)
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _math
+from optax_lamb import _math, _tree
 
 
 class MasterWeightsState(NamedTuple):
@@ -112,14 +112,10 @@ def master_weights(opt_state: Any) -> Any:
   Returns:
     A pytree like the params, in float32 (or the params' dtype where wider).
   """
-  found = [
-    s
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
-    if isinstance(s, MasterWeightsState)
-  ]
-  if not found:
-    raise ValueError(
-      "No master weights in this optimizer state: build it with "
-      "optax_lamb.lamb(..., master_weights=True) or optax_lamb.with_master_weights(tx)."
-    )
+  found = _tree.find_states(
+    opt_state,
+    MasterWeightsState,
+    "No master weights in this optimizer state: build it with "
+    "optax_lamb.lamb(..., master_weights=True) or optax_lamb.with_master_weights(tx).",
+  )
   return found[0].master

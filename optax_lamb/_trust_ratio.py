@@ -122,14 +122,10 @@ def trust_ratios(opt_state: Any) -> Any:
     A pytree like the params with float32 ratios (shape ``()`` per leaf, or the
     stacked-layer shape); a tuple of such trees if there are several stages.
   """
-  found = [
-    s
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByTrustRatioState))
-    if isinstance(s, ScaleByTrustRatioState)
-  ]
-  if not found:
-    raise ValueError(
-      "No trust-ratio stage in this optimizer state: trust_ratios() reads the state of "
-      "optax_lamb.lamb or optax_lamb.scale_by_trust_ratio."
-    )
+  found = _tree.find_states(
+    opt_state,
+    ScaleByTrustRatioState,
+    "No trust-ratio stage in this optimizer state: trust_ratios() reads the state of "
+    "optax_lamb.lamb or optax_lamb.scale_by_trust_ratio.",
+  )
   return found[0].ratios if len(found) == 1 else tuple(s.ratios for s in found)
