@@ -51,6 +51,7 @@ class NumpyLamb:
     stacked_axes=None,
     grad_scale=None,
     skip_nonfinite=False,
+    store_mu=None,
   ):
     self.lr = _as_fn(learning_rate)
     self.wd = _as_fn(weight_decay)
@@ -63,6 +64,7 @@ class NumpyLamb:
     self.stacked_axes = stacked_axes or {}
     self.grad_scale = grad_scale
     self.skip_nonfinite = skip_nonfinite
+    self.store_mu = store_mu  # a NumPy dtype the stored m is rounded to (mu_dtype)
     self.t = 0  # applied steps
     self.calls = 0  # calls, skipped ones included
     self.skipped = self.consecutive = 0
@@ -139,4 +141,6 @@ class NumpyLamb:
       self.ratio_condition[k] = condition
       self.ratios[k] = ratio
       new_params[k] = x - lr * ratio.reshape(layers_shape + (1,) * (x.ndim - k_axes)) * u
+      if self.store_mu is not None:  # u used the unrounded m; the state keeps it rounded
+        self.m[k] = self.m[k].astype(self.store_mu).astype(np.float64)
     return new_params

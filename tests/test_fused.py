@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from lamb_reference import NumpyLamb
 
 import optax_lamb
 from optax_lamb import _xla
@@ -48,46 +49,29 @@ def _paths(tree):
 
 
 def numpy_lamb(params, grads_per_step, opts):
-  """Float64 LAMB written from the paper and optax's conventions, independent of optax_lamb."""
-  b1, b2 = opts.get("b1", 0.9), opts.get("b2", 0.999)
-  eps, eps_root = opts.get("eps", 1e-6), opts.get("eps_root", 0.0)
+  """The float64 reference (tests/lamb_reference.py) on a nested tree, leaves named by path."""
   names = _paths(params)
+  ref = NumpyLamb(
+    opts.get("lr_schedule", LR),
+    b1=opts.get("b1", 0.9),
+    b2=opts.get("b2", 0.999),
+    eps=opts.get("eps", 1e-6),
+    eps_root=opts.get("eps_root", 0.0),
+    weight_decay=opts.get("wd_schedule", opts.get("weight_decay", 0.0)),
+    decay_mask=opts.get("decay_mask"),
+    bias_correction=opts.get("bias_correction", True),
+    adapt_mask=opts.get("adapt_mask"),
+    min_ratio=opts.get("min_ratio"),
+    max_ratio=opts.get("max_ratio"),
+    max_grad_norm=opts.get("max_grad_norm"),
+    stacked_axes=opts.get("stacked"),
+    store_mu=opts.get("store_mu"),
+  )
   p = {n: np.asarray(x, np.float64) for n, x in zip(names, jax.tree.leaves(params), strict=True)}
-  m = {n: np.zeros_like(x) for n, x in p.items()}
-  v = {n: np.zeros_like(x) for n, x in p.items()}
-  decay_mask = opts.get("decay_mask", {})
-  adapt_mask = opts.get("adapt_mask", {})
-  stacked = opts.get("stacked", {})
-  store_mu = opts.get("store_mu")  # round m through this dtype after each step
-  ratios = {}
-  for t, grads in enumerate(grads_per_step, start=1):
+  for grads in grads_per_step:
     g = {n: np.asarray(x, np.float64) for n, x in zip(names, jax.tree.leaves(grads), strict=True)}
-    if opts.get("max_grad_norm") is not None:
-      norm = np.sqrt(sum(np.sum(x**2) for x in g.values()))
-      g = {n: x * min(1.0, opts["max_grad_norm"] / norm) for n, x in g.items()}
-    lr = opts["lr_schedule"](t - 1) if "lr_schedule" in opts else LR
-    wd = opts["wd_schedule"](t - 1) if "wd_schedule" in opts else opts.get("weight_decay", 0.0)
-    bc1, bc2 = (1 - b1**t, 1 - b2**t) if opts.get("bias_correction", True) else (1.0, 1.0)
-    for n in names:
-      m_new = b1 * m[n] + (1 - b1) * g[n]
-      v[n] = b2 * v[n] + (1 - b2) * g[n] ** 2
-      u = (m_new / bc1) / (np.sqrt(v[n] / bc2 + eps_root) + eps)
-      if decay_mask.get(n, True):
-        u = u + wd * p[n]
-      k = stacked.get(n, 0)
-      if adapt_mask.get(n, True):
-        axes = tuple(range(k, p[n].ndim))
-        pn = np.sqrt(np.sum(p[n] ** 2, axis=axes))
-        un = np.sqrt(np.sum(u**2, axis=axes))
-        r = np.where(pn > 0, pn, 1.0) / np.where(un > 0, un, 1.0)
-        r = np.clip(r, opts.get("min_ratio"), opts.get("max_ratio"))
-        r = np.where((pn == 0) | (un == 0), 1.0, r)
-      else:
-        r = np.ones(p[n].shape[:k])
-      ratios[n] = r
-      p[n] = p[n] - lr * r.reshape(r.shape + (1,) * (p[n].ndim - k)) * u
-      m[n] = m_new if store_mu is None else m_new.astype(store_mu).astype(np.float64)
-  return p, ratios
+    p = ref.step(p, g)
+  return p, ref.ratios
 
 
 # ------------------------------------------------------------------------- helpers
