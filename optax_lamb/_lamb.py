@@ -7,11 +7,15 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _apply, _checks, _faults, _math, _tree, _validate, _xla
+from optax_lamb import _apply, _checks, _faults, _validate, _xla
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
-from optax_lamb._mixed_precision import with_float32_gradients, with_master_weights
+from optax_lamb._mixed_precision import (
+  to_compute_dtype,
+  with_float32_gradients,
+  with_master_weights,
+)
 from optax_lamb._trust_ratio import scale_by_trust_ratio
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
@@ -152,11 +156,9 @@ def lamb(
     fused_update = _xla.update
   config = _xla.LambConfig(**{k: v for k, v in locals().items() if k in _xla.CONFIG_FIELDS})
 
+  # Arguments are checked once, by the `_validate.validated` wrapper around everything.
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if params is None:
-      raise ValueError("lamb needs params for the trust ratio: call update(grads, state, params)")
-    _tree.check_same_structure(updates, "updates (gradients)", params, "params")
     if fused:
       return fused_update(config, updates, state, params)
     updates, state = stages.update(updates, state, params)
@@ -165,8 +167,7 @@ def lamb(
 
   def apply_fn(grads, state, params):
     _validate.check_update_args(grads, params, "lamb")
-    grads = jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), grads)
-    return fused_update(config, grads, state, params, apply=True)
+    return fused_update(config, to_compute_dtype(grads), state, params, apply=True)
 
   # Low-precision gradients are handed over in float32, so no stage rounds them.
   core = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))

@@ -85,6 +85,11 @@ def with_master_weights(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def to_compute_dtype(tree: Any) -> Any:
+  """Every leaf in float32, or wider where it already is (see `_math.compute_dtype`)."""
+  return jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), tree)
+
+
 def with_float32_gradients(
   inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
@@ -97,8 +102,7 @@ def with_float32_gradients(
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    updates = jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), updates)
-    return inner.update(updates, state, params, **extra_args)
+    return inner.update(to_compute_dtype(updates), state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
