@@ -7,6 +7,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
+from tree_asserts import assert_trees_equal
 
 import optax_lamb
 
@@ -57,15 +58,6 @@ def train(step, params, state, seq):
     updates, state = step(g, state, params)
     params = optax.apply_updates(params, updates)
   return params, state
-
-
-def assert_trees_equal(a, b):
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  assert ta == tb
-  for x, y in zip(la, lb, strict=True):
-    assert np.asarray(x).dtype == np.asarray(y).dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def save_restore_orbax(tree, template, path):

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from lamb_reference import NumpyLamb
+from tree_asserts import assert_trees_equal
 
 import optax_lamb
 
@@ -26,15 +27,6 @@ def poison(grads, rng, value):
   flat = np.array(grads[key]).reshape(-1)
   flat[rng.integers(flat.size)] = value
   return {**grads, key: jnp.asarray(flat.reshape(np.shape(grads[key])), grads[key].dtype)}
-
-
-def assert_trees_equal(a, b):
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  assert ta == tb
-  for x, y in zip(la, lb, strict=True):
-    assert np.asarray(x).dtype == np.asarray(y).dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def run(tx, params, grads_seq, **update_kwargs):
