@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _math, _tree
+from optax_lamb import _check_args, _math, _tree
 
 
 def scale_by_adam(
@@ -49,10 +49,10 @@ def scale_by_adam(
     >>> state = tx.init({"w": jnp.ones(3)})
     >>> updates, state = tx.update({"w": jnp.ones(3)}, state)
   """
-  _checks.check_in_unit_interval("b1", b1)
-  _checks.check_in_unit_interval("b2", b2)
-  _checks.check_non_negative("eps", eps)
-  _checks.check_non_negative("eps_root", eps_root)
+  _check_args.check_in_unit_interval("b1", b1)
+  _check_args.check_in_unit_interval("b2", b2)
+  _check_args.check_non_negative("eps", eps)
+  _check_args.check_non_negative("eps_root", eps_root)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _math, _tree
+from optax_lamb import _check_args, _math, _tree
 
 
 def global_sq_norm(tree: Any, axis_name: Any = None) -> jax.Array:
@@ -43,7 +43,7 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
   Returns:
     An :class:`optax.GradientTransformation` with :class:`optax.EmptyState`.
   """
-  _checks.check_positive("max_grad_norm", max_norm)
+  _check_args.check_positive("max_grad_norm", max_norm)
 
   def update_fn(updates, state, params=None):
     del params

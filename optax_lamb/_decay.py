@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _math, _tree
+from optax_lamb import _check_args, _math, _schedule, _tree
 
 
 def add_decayed_weights(
@@ -29,7 +29,7 @@ def add_decayed_weights(
   Returns:
     An :class:`optax.GradientTransformation`.
   """
-  _checks.check_non_negative("weight_decay", weight_decay)
+  _check_args.check_non_negative("weight_decay", weight_decay)
   is_schedule = callable(weight_decay)
 
   def init_fn(params):
@@ -42,11 +42,7 @@ def add_decayed_weights(
     if params is None:
       raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
     _tree.check_same_structure(updates, "updates", params, "params")
-    if is_schedule:
-      wd = weight_decay(state.count)
-      state = optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
-    else:
-      wd = weight_decay
+    wd, state = _schedule.value_and_next_state(weight_decay, state)
     updates = jax.tree.map(lambda u, p: _math.add_decay(u, p, wd), updates, params)
     return updates, state
 

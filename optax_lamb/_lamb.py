@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import jax
 import optax
 
-from optax_lamb import _apply, _checks, _faults, _validate, _xla
+from optax_lamb import _check_args, _dispatch, _loss_scale, _prologue, _skip
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
-from optax_lamb._mixed_precision import (
-  to_compute_dtype,
-  with_float32_gradients,
-  with_master_weights,
-)
+from optax_lamb._mixed_precision import with_master_weights
+from optax_lamb._plan import LambConfig
 from optax_lamb._trust_ratio import scale_by_trust_ratio
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
 
 
 def lamb(
@@ -121,14 +116,30 @@ def lamb(
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
-  _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+  _check_args.check_choice("implementation", implementation, _dispatch.IMPLEMENTATIONS)
   if max_grad_norm is not None:
-    _checks.check_positive("max_grad_norm", max_grad_norm)
-  _checks.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
-  _checks.check_bool("skip_nonfinite", skip_nonfinite)
-  _checks.check_bool("master_weights", master_weights)
-  _faults.check_grad_scale(grad_scale)
-
+    _check_args.check_positive("max_grad_norm", max_grad_norm)
+  _check_args.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
+  _check_args.check_bool("skip_nonfinite", skip_nonfinite)
+  _check_args.check_bool("master_weights", master_weights)
+  _loss_scale.check_grad_scale(grad_scale)
+  config = LambConfig(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    mask=mask,
+    bias_correction=bias_correction,
+    trust_ratio_mask=trust_ratio_mask,
+    min_trust_ratio=min_trust_ratio,
+    max_trust_ratio=max_trust_ratio,
+    max_grad_norm=max_grad_norm,
+    stacked_axes=stacked_axes,
+    axis_name=axis_name,
+  )
+  # The reference: the plain chain of stages. Its init is lamb's init on every backend.
   stages = optax.chain(
     clip_by_global_norm(max_grad_norm, axis_name=axis_name)
     if max_grad_norm is not None
@@ -147,36 +158,20 @@ def lamb(
     optax.scale_by_learning_rate(learning_rate),
   )
 
-  fused = implementation != "reference"
-  if implementation == "pallas":
-    from optax_lamb import _pallas  # imports Pallas only when asked for
+  def step(grads, state, params, *, apply):
+    return _dispatch.step(config, stages, implementation, grads, state, params, apply=apply)
 
-    fused_update = _pallas.update
-  else:
-    fused_update = _xla.update
-  config = _xla.LambConfig(**{k: v for k, v in locals().items() if k in _xla.CONFIG_FIELDS})
-
-  # Arguments are checked once, by the `_validate.validated` wrapper around everything.
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if fused:
-      return fused_update(config, updates, state, params)
-    updates, state = stages.update(updates, state, params)
-    updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-    return updates, state
+    return step(updates, state, params, apply=False)
 
-  def apply_fn(grads, state, params):
-    _validate.check_update_args(grads, params, "lamb")
-    return fused_update(config, to_compute_dtype(grads), state, params, apply=True)
-
-  # Low-precision gradients are handed over in float32, so no stage rounds them.
-  core = with_float32_gradients(optax.GradientTransformationExtraArgs(stages.init, update_fn))
-  tx = with_master_weights(core) if master_weights else core
+  tx = optax.GradientTransformationExtraArgs(stages.init, update_fn)
+  wrapped = master_weights or skip_nonfinite
+  if master_weights:
+    tx = with_master_weights(tx)
   if skip_nonfinite:
-    tx = _faults.skip_nonfinite(tx, axis_name=axis_name)
-  tx = _validate.validated(_faults.with_unscaling(tx, grad_scale), "lamb")
-  if fused and not (master_weights or skip_nonfinite or grad_scale is not None):
-    # update_and_apply writes the new params in the apply pass; with the wrappers
-    # above it falls back to update + apply_updates.
-    _apply.register_fused_apply(tx.update, apply_fn)
-  return tx
+    tx = _skip.skip_nonfinite(tx, axis_name=axis_name)
+  # update_and_apply writes the new params in the last pass; with a wrapper in between it
+  # falls back to update + apply_updates.
+  fused_apply = None if wrapped else functools.partial(step, apply=True)
+  return _prologue.with_prologue(tx, who="lamb", grad_scale=grad_scale, fused_apply=fused_apply)

@@ -130,6 +130,16 @@ def add_decay(u, p, weight_decay):
   return (u + weight_decay * p.astype(jnp.promote_types(u.dtype, p.dtype))).astype(u.dtype)
 
 
+def scale_by_step_size(u, step_size, dtype):
+  """step_size u (optax.scale_by_learning_rate, step_size = -lr) in u's dtype, then in `dtype`."""
+  return (jnp.asarray(step_size, u.dtype) * u).astype(dtype)
+
+
+def to_compute_dtype(tree):
+  """Every leaf in float32, or wider where it already is (see `compute_dtype`)."""
+  return jax.tree.map(lambda x: x.astype(compute_dtype(x.dtype)), tree)
+
+
 def scale_by_ratio(u, ratio):
   """r u in float32 (at least), in u's dtype; `ratio` has the leaf's stacked shape."""
   return (u.astype(compute_dtype(u.dtype)) * broadcast_ratio(ratio, u)).astype(u.dtype)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _math, _tree
+from optax_lamb import _tree
 
 
 class MasterWeightsState(NamedTuple):
@@ -83,28 +83,6 @@ def with_master_weights(
     return jax.tree.map(delta, master, params), MasterWeightsState(master, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def to_compute_dtype(tree: Any) -> Any:
-  """Every leaf in float32, or wider where it already is (see `_math.compute_dtype`)."""
-  return jax.tree.map(lambda g: g.astype(_math.compute_dtype(g.dtype)), tree)
-
-
-def with_float32_gradients(
-  inner: optax.GradientTransformation,
-) -> optax.GradientTransformationExtraArgs:
-  """Hand `inner` the gradients in float32 (at least), so its stages pass float32 between them.
-
-  A bfloat16 gradient would otherwise be rounded to bfloat16 after every stage
-  (Adam direction, weight decay, trust ratio, learning rate): four roundings
-  instead of the single one when the final update is cast to the param dtype.
-  """
-  inner = optax.with_extra_args_support(inner)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    return inner.update(to_compute_dtype(updates), state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def master_weights(opt_state: Any) -> Any:

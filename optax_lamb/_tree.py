@@ -7,6 +7,17 @@ from typing import Any
 import jax
 
 
+try:  # private in optax; absent in some versions, then nothing is a placeholder
+  from optax.tree_utils._state_utils import _ParamsPlaceholder
+except ImportError:  # pragma: no cover
+  _ParamsPlaceholder = ()
+
+
+def is_params_placeholder(x: Any) -> bool:
+  """optax.tree_map_params calls init with this placeholder to find the param-shaped state."""
+  return isinstance(x, _ParamsPlaceholder)
+
+
 def _paths(tree) -> list[str]:
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
   return [jax.tree_util.keystr(path) or "<root>" for path, _ in leaves]

@@ -2,19 +2,93 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
+import itertools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _math, _tree
+from optax_lamb import _check_args, _math, _tree
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class RatioLayout:
+  """Where each leaf's trust ratios sit in the state's ratio vector. Static: no arrays.
+
+  Leaf ``i`` (in ``jax.tree.leaves`` order of the params) owns the entries
+  ``offsets[i]:offsets[i + 1]``, reshaped to ``shapes[i]``: ``()`` for a plain
+  leaf, the leading stacked axes of a stacked one.
+  """
+
+  treedef: Any  # None for a layout made from optax's params placeholder (tree_map_params)
+  shapes: tuple[tuple[int, ...], ...]
+
+  @classmethod
+  def of(cls, params: Any, stacked_axes: Any = None) -> RatioLayout:
+    if _tree.is_params_placeholder(params):
+      return cls(None, ())
+    treedef = jax.tree.structure(params)
+    axes = treedef.flatten_up_to(_tree.resolve_stacked_axes(stacked_axes, params))
+    return cls.from_leaves(treedef, treedef.flatten_up_to(params), axes)
+
+  @classmethod
+  def from_leaves(cls, treedef: Any, leaves: list, stacked_axes: list[int]) -> RatioLayout:
+    shapes = tuple(tuple(jnp.shape(p)[:k]) for p, k in zip(leaves, stacked_axes, strict=True))
+    return cls(treedef, shapes)
+
+  @functools.cached_property
+  def offsets(self) -> tuple[int, ...]:
+    return tuple(itertools.accumulate((math.prod(s) for s in self.shapes), initial=0))
+
+  @property
+  def size(self) -> int:
+    return self.offsets[-1]
+
+  def join(self, ratios: list[jax.Array]) -> jax.Array:
+    """One float32 vector from the per-leaf ratios (in leaf order)."""
+    if not ratios:  # a tree emptied by optax.masked
+      return jnp.ones((0,), jnp.float32)
+    return jnp.concatenate([jnp.reshape(r, (-1,)).astype(jnp.float32) for r in ratios])
+
+  def split(self, vector: jax.Array) -> Any:
+    """The per-leaf pytree of ratios; leading batch axes of `vector` (pmap, vmap) are kept."""
+    batch = jnp.shape(vector)[:-1]
+    pieces = [
+      jnp.reshape(vector[..., a:b], batch + shape)
+      for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes, strict=True)
+    ]
+    return jax.tree.unflatten(self.treedef, pieces)
+
+  def __eq__(self, other: Any) -> bool:
+    if not isinstance(other, RatioLayout):
+      return NotImplemented
+    # The placeholder's layout matches any layout, so tree_map_params can pair the two states.
+    return (
+      self is other
+      or self.treedef is None
+      or other.treedef is None
+      or (self.treedef == other.treedef and self.shapes == other.shapes)
+    )
+
+  def __hash__(self) -> int:
+    return hash(RatioLayout)  # equal layouts must hash alike, the placeholder's included
 
 
 class ScaleByTrustRatioState(NamedTuple):
-  """The trust ratios applied by the last update (float32, one per leaf or stacked slice)."""
+  """The trust ratios of the last update: one float32 vector for the whole tree, and its layout.
 
-  ratios: Any
+  One buffer whatever the number of leaves (each jitted call pays host time per
+  input buffer); read the per-leaf ratios with :func:`optax_lamb.trust_ratios`.
+  """
+
+  ratios: jax.Array
+  layout: RatioLayout
 
 
 def scale_by_trust_ratio(
@@ -62,27 +136,21 @@ def scale_by_trust_ratio(
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
-  _checks.check_non_negative("min_norm", min_norm)
-  _checks.check_non_negative("eps", eps)
-  _checks.check_positive("trust_coefficient", trust_coefficient)
-  _checks.check_ratio_bounds("min_ratio", min_ratio, "max_ratio", max_ratio)
-
-  def leaf_options(params):
-    adapt = _tree.resolve_per_leaf(mask, params, True)
-    axes = _tree.resolve_stacked_axes(stacked_axes, params)
-    return adapt, axes
+  _check_args.check_non_negative("min_norm", min_norm)
+  _check_args.check_non_negative("eps", eps)
+  _check_args.check_positive("trust_coefficient", trust_coefficient)
+  _check_args.check_ratio_bounds("min_ratio", min_ratio, "max_ratio", max_ratio)
 
   def init_fn(params):
-    adapt, axes = leaf_options(params)
-    ratios = jax.tree.map(lambda p, k: jnp.ones(jnp.shape(p)[:k], jnp.float32), params, axes)
-    del adapt
-    return ScaleByTrustRatioState(ratios=ratios)
+    layout = RatioLayout.of(params, stacked_axes)
+    return ScaleByTrustRatioState(ratios=jnp.ones((layout.size,), jnp.float32), layout=layout)
 
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("scale_by_trust_ratio needs params: call update(updates, state, params)")
     _tree.check_same_structure(updates, "updates", params, "params")
-    adapt, axes = leaf_options(params)
+    adapt = _tree.resolve_per_leaf(mask, params, True)
+    axes = _tree.resolve_stacked_axes(stacked_axes, params)
 
     def leaf(u, p, k, adapts, name):
       if not adapts:
@@ -103,8 +171,8 @@ def scale_by_trust_ratio(
     columns = [treedef.flatten_up_to(t) for t in (updates, params, axes, adapt)]
     results = [leaf(*args) for args in zip(*columns, names, strict=True)]
     updates = jax.tree.unflatten(treedef, [u for u, _ in results])
-    ratios = jax.tree.unflatten(treedef, [r for _, r in results])
-    return updates, ScaleByTrustRatioState(ratios=ratios)
+    ratios = state.layout.join([r for _, r in results])
+    return updates, ScaleByTrustRatioState(ratios=ratios, layout=state.layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -128,4 +196,21 @@ def trust_ratios(opt_state: Any) -> Any:
     "No trust-ratio stage in this optimizer state: trust_ratios() reads the state of "
     "optax_lamb.lamb or optax_lamb.scale_by_trust_ratio.",
   )
-  return found[0].ratios if len(found) == 1 else tuple(s.ratios for s in found)
+  ratios = tuple(s.layout.split(s.ratios) for s in found)
+  return ratios[0] if len(ratios) == 1 else ratios
+
+
+def _register_with_flax() -> None:
+  """Teach flax.serialization (if installed) the static layout: nothing saved, the target's kept."""
+  if importlib.util.find_spec("flax") is None:
+    return
+  try:
+    from flax import serialization
+  except Exception:  # a broken flax install must not break this package
+    return
+  serialization.register_serialization_state(
+    RatioLayout, lambda _: {}, lambda target, _: target, override=True
+  )
+
+
+_register_with_flax()

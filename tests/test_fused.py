@@ -13,7 +13,7 @@ import pytest
 from lamb_reference import NumpyLamb
 
 import optax_lamb
-from optax_lamb import _xla
+from optax_lamb.backends import xla as _xla
 
 STEPS = 10
 LR = 1e-2

@@ -1,4 +1,6 @@
-"""Static checks of the trees handed to an optimizer: dtypes, shapes, structure, emptiness.
+"""Checks of the trees handed to each update: dtypes, shapes, structure, emptiness.
+
+Hyper-parameters are checked once, when the optimizer is built (`_check_args`).
 
 They run on shapes and dtypes only (no traced values), so they work under jit,
 and they raise before anything is computed, so a bad call changes nothing.
@@ -16,7 +18,7 @@ import optax
 from optax_lamb import _tree
 
 
-def _is_placeholder(x: Any) -> bool:
+def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
@@ -61,7 +63,7 @@ def check_not_empty(params: Any, who: str) -> None:
   is accepted, since those wrappers hand every inner optimizer such a tree when a
   label has no leaves.
   """
-  if jax.tree.leaves(params, is_leaf=_is_placeholder):
+  if jax.tree.leaves(params, is_leaf=_is_masked_node):
     return
   raise ValueError(
     f"{who}: params has no array leaves (got {params!r}); there is nothing to optimize. "
@@ -94,27 +96,3 @@ def check_update_args(updates: Any, params: Any, who: str) -> None:
   check_params(params, who)
   check_float_leaves(updates, "updates (gradients)", who)
   check_same_shapes(updates, "updates (gradients)", params, who)
-
-
-try:  # private in optax; absent in some versions, then nothing is a placeholder
-  from optax.tree_utils._state_utils import _ParamsPlaceholder
-except ImportError:  # pragma: no cover
-  _ParamsPlaceholder = ()
-
-
-def validated(
-  tx: optax.GradientTransformationExtraArgs, who: str
-) -> optax.GradientTransformationExtraArgs:
-  """Wrap `tx` so init and update check their inputs first (see :func:`check_update_args`)."""
-
-  def init_fn(params):
-    # optax.tree_map_params inits with a placeholder to locate the param-shaped state.
-    if not isinstance(params, _ParamsPlaceholder):
-      check_params(params, who)
-    return tx.init(params)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    check_update_args(updates, params, who)
-    return tx.update(updates, state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -2,23 +2,9 @@
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import optax
-
-# update function of a transformation -> fn(grads, state, params) -> (new_params, new_state).
-_FUSED_APPLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def register_fused_apply(update_fn: Callable, apply_fn: Callable) -> None:
-  """Declare that `apply_fn(grads, state, params)` computes update + apply_updates for `update_fn`.
-
-  The fused XLA path of lamb registers itself here; a kernel-backed
-  implementation can do the same for its own update function.
-  """
-  _FUSED_APPLY[update_fn] = apply_fn
 
 
 def update_and_apply(
@@ -30,9 +16,11 @@ def update_and_apply(
   """``tx.update`` followed by :func:`optax.apply_updates`, in one step.
 
   For :func:`optax_lamb.lamb` the new params are written directly by the last
-  pass over memory (no updates tree is built, no separate apply pass). Any
-  other transformation falls back to ``tx.update`` + ``optax.apply_updates``,
-  so this can be called unconditionally.
+  pass over memory (no updates tree is built, no separate apply pass); the
+  transformation carries that fused apply as ``tx.update.fused_apply``. Any
+  other transformation (and lamb inside a wrapper such as ``optax.MultiSteps``)
+  falls back to ``tx.update`` + ``optax.apply_updates``, so this can be called
+  unconditionally.
 
   Args:
     tx: a gradient transformation.
@@ -51,7 +39,7 @@ def update_and_apply(
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> params, state = optax_lamb.update_and_apply(tx, grads, state, params)
   """
-  fused = _FUSED_APPLY.get(tx.update)
+  fused = getattr(tx.update, "fused_apply", None)
   if fused is not None:
     return fused(grads, opt_state, params)
   updates, opt_state = tx.update(grads, opt_state, params)

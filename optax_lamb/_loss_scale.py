@@ -1,0 +1,86 @@
+"""Loss scaling: gradients divided by a loss scale before anything else sees them."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lamb import _check_args, _math, _schedule
+
+
+class UnscaleGradientsState(NamedTuple):
+  """Number of updates seen, the argument of a ``grad_scale`` schedule."""
+
+  count: jax.Array
+
+
+def unscale(grads: Any, grad_scale: Any) -> Any:
+  """Divide every gradient by `grad_scale` in float32 (at least).
+
+  Low-precision gradients come back in float32: a loss-scaled float16 gradient
+  holds values that underflow in float16 once unscaled.
+  """
+  scale = jnp.asarray(grad_scale)
+
+  def leaf(g):
+    dtype = _math.compute_dtype(g.dtype)
+    return g.astype(dtype) / scale.astype(dtype)
+
+  return jax.tree.map(leaf, grads)
+
+
+def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExtraArgs:
+  r"""Divide the gradients by a loss scale: :math:`g \leftarrow g / s`.
+
+  Put it first in a chain so that clipping, finiteness checks and the moments
+  see the true gradient. The scale comes from the factory argument (a float, an
+  array, or a schedule ``count -> scale`` evaluated on the number of updates so
+  far), or from the ``grad_scale=`` keyword of ``update`` for a dynamic loss
+  scaler such as ``jmp.DynamicLossScale`` (pass its ``loss_scale``). Giving both
+  is an error. With neither, gradients pass through unchanged. Low-precision
+  gradients are returned in float32.
+
+  Args:
+    grad_scale: ``None``, a positive float, a scalar array, or a schedule.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; its state is
+    :class:`UnscaleGradientsState` for a schedule, :class:`optax.EmptyState` otherwise.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> tx = optax.chain(optax_lamb.unscale_gradients(), optax.sgd(0.1))
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> updates, state = tx.update({"w": jnp.ones(2) * 1024.0}, state, grad_scale=1024.0)
+  """
+  check_grad_scale(grad_scale)
+  is_schedule = callable(grad_scale)
+
+  def init_fn(params):
+    del params
+    if is_schedule:
+      return UnscaleGradientsState(count=jnp.zeros([], jnp.int32))
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params
+    given = extra_args.get("grad_scale")
+    check_grad_scale(given)
+    if given is not None and grad_scale is not None:
+      raise ValueError(
+        "grad_scale was given both when building the optimizer and to update(); give it "
+        f"in one place only (got grad_scale={given!r} at update)."
+      )
+    scale, state = _schedule.value_and_next_state(grad_scale, state)
+    scale = given if given is not None else scale
+    return (updates if scale is None else unscale(updates, scale)), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def check_grad_scale(grad_scale: Any) -> None:
+  if grad_scale is not None and not callable(grad_scale):
+    _check_args.check_positive("grad_scale", grad_scale)

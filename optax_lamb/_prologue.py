@@ -1,0 +1,61 @@
+"""What every lamb update does first: check the trees, divide by the loss scale, cast to float32.
+
+The same prologue runs before ``tx.update`` and before the fused apply of
+:func:`optax_lamb.update_and_apply`, which the transformation carries as the
+``fused_apply`` attribute of its update function (only where no wrapper sits
+between the prologue and the step, so the two compute the same thing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+from optax_lamb import _check_trees, _loss_scale, _math, _tree
+
+
+def with_prologue(
+  inner: optax.GradientTransformationExtraArgs,
+  *,
+  who: str,
+  grad_scale: Any = None,
+  fused_apply: Callable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """`inner` behind the prologue; its state gains the loss-scale count for a scale schedule.
+
+  Args:
+    inner: the transformation that receives checked, unscaled float32 gradients.
+    who: the name errors give for the optimizer.
+    grad_scale: the loss scale fixed at build time (see :func:`optax_lamb.unscale_gradients`);
+      a scale passed to ``update(..., grad_scale=s)`` is divided out too.
+    fused_apply: ``fn(grads, state, params) -> (new_params, new_state)`` computing
+      ``inner.update`` + ``optax.apply_updates``; carried when no loss scale is set.
+  """
+  unscaling = _loss_scale.unscale_gradients(grad_scale)
+  scheduled = callable(grad_scale)
+
+  def prologue(grads, params):
+    _check_trees.check_update_args(grads, params, who)
+    return _math.to_compute_dtype(grads)
+
+  def init_fn(params):
+    if not _tree.is_params_placeholder(params):
+      _check_trees.check_params(params, who)
+    inner_state = inner.init(params)
+    return (unscaling.init(params), inner_state) if scheduled else inner_state
+
+  def update_fn(updates, state, params=None, **extra_args):
+    scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
+    grads = prologue(updates, params)
+    given = extra_args.pop("grad_scale", None)
+    grads, scale_state = unscaling.update(grads, scale_state, grad_scale=given)
+    updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
+    return updates, ((scale_state, inner_state) if scheduled else inner_state)
+
+  if fused_apply is not None and grad_scale is None:
+    update_fn.fused_apply = lambda grads, state, params: fused_apply(
+      prologue(grads, params), state, params
+    )
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,120 @@
+"""Skipping steps whose gradients hold a NaN or an Inf."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lamb import _math, _tree
+
+
+class SkipNonFiniteState(NamedTuple):
+  """Skip counters (int32) and the wrapped optimizer's state."""
+
+  total: jax.Array
+  consecutive: jax.Array
+  inner_state: Any
+
+
+class SkipCounts(NamedTuple):
+  """Steps skipped for non-finite gradients: in all, and in a row up to the last update."""
+
+  total: jax.Array
+  consecutive: jax.Array
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+  """True when no leaf of `tree` holds a NaN or an Inf; agreed over `axis_name` if given.
+
+  `axis_name` may be per leaf (as in :func:`optax_lamb.lamb`): the count is summed
+  over every axis any leaf is sharded on, so all devices take the same decision.
+  """
+  bad = sum(
+    (jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(tree)),
+    jnp.zeros((), jnp.int32),
+  )
+  names = set()
+  for name in _tree.resolve_axis_names(axis_name, tree):
+    names.update((name,) if isinstance(name, str) else (name or ()))
+  return _math.psum_if(bad, tuple(sorted(names)) or None) == 0
+
+
+def skip_nonfinite(
+  inner: optax.GradientTransformation, *, axis_name: Any = None
+) -> optax.GradientTransformationExtraArgs:
+  """Skip every step whose gradients hold a NaN or an Inf.
+
+  On such a step the updates are zero and the wrapped state is returned as it
+  was (moments, step count, trust ratios, master weights), so the parameters do
+  not change; :class:`SkipNonFiniteState` counts the skipped steps, in total and
+  in a row (read them with :func:`skip_counts`). The branch is a
+  :func:`jax.lax.cond`, so it jits, and ``optax.MultiSteps`` around it skips an
+  accumulated step that one bad micro-batch poisoned.
+
+  Unlike :func:`optax.apply_if_finite` there is no limit after which NaNs are
+  let through: watch ``skip_counts(state).consecutive`` and stop the run (or
+  lower the loss scale) yourself.
+
+  Args:
+    inner: the transformation to protect.
+    axis_name: mapped axis name(s) the gradients are sharded over (``shard_map``),
+      so that every device agrees on skipping.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zero = jnp.zeros([], jnp.int32)
+    return SkipNonFiniteState(total=zero, consecutive=zero, inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    finite = all_finite(updates, axis_name)
+    arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
+    others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
+
+    def apply(updates, inner_state, params, arrays):
+      return inner.update(updates, inner_state, params, **arrays, **others)
+
+    def skip(updates, inner_state, params, arrays):
+      out, _ = jax.eval_shape(apply, updates, inner_state, params, arrays)
+      return optax.tree.zeros_like(out), inner_state
+
+    new_updates, inner_state = jax.lax.cond(
+      finite, apply, skip, updates, state.inner_state, params, arrays
+    )
+    return new_updates, SkipNonFiniteState(
+      total=jnp.where(finite, state.total, optax.safe_increment(state.total)),
+      consecutive=jnp.where(finite, 0, optax.safe_increment(state.consecutive)),
+      inner_state=inner_state,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def skip_counts(opt_state: Any) -> SkipCounts:
+  """Steps skipped for non-finite gradients, read from any optimizer state.
+
+  Searches any nesting of ``chain``, ``MultiSteps`` and ``inject_hyperparams``
+  states for a :class:`SkipNonFiniteState` (``lamb(skip_nonfinite=True)`` or
+  :func:`skip_nonfinite`).
+
+  Args:
+    opt_state: the state of an optimizer built with ``skip_nonfinite``.
+
+  Returns:
+    :class:`SkipCounts` ``(total, consecutive)`` as int32 scalars.
+  """
+  found = _tree.find_states(
+    opt_state,
+    SkipNonFiniteState,
+    "No skip_nonfinite stage in this optimizer state: build it with "
+    "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx).",
+  )
+  return SkipCounts(total=found[0].total, consecutive=found[0].consecutive)
+
+
