@@ -119,7 +119,9 @@ def lamb(
   _check_args.check_choice("implementation", implementation, _dispatch.IMPLEMENTATIONS)
   if max_grad_norm is not None:
     _check_args.check_positive("max_grad_norm", max_grad_norm)
-  _check_args.check_ratio_bounds("min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio)
+  _check_args.check_ratio_bounds(
+    "min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio
+  )
   _check_args.check_bool("skip_nonfinite", skip_nonfinite)
   _check_args.check_bool("master_weights", master_weights)
   _loss_scale.check_grad_scale(grad_scale)

@@ -116,5 +116,3 @@ def skip_counts(opt_state: Any) -> SkipCounts:
     "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx).",
   )
   return SkipCounts(total=found[0].total, consecutive=found[0].consecutive)
-
-

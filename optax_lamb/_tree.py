@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 
-
 try:  # private in optax; absent in some versions, then nothing is a placeholder
   from optax.tree_utils._state_utils import _ParamsPlaceholder
 except ImportError:  # pragma: no cover

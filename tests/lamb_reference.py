@@ -52,6 +52,7 @@ class NumpyLamb:
     grad_scale=None,
     skip_nonfinite=False,
     store_mu=None,
+    store_nu=None,
   ):
     self.lr = _as_fn(learning_rate)
     self.wd = _as_fn(weight_decay)
@@ -65,6 +66,7 @@ class NumpyLamb:
     self.grad_scale = grad_scale
     self.skip_nonfinite = skip_nonfinite
     self.store_mu = store_mu  # a NumPy dtype the stored m is rounded to (mu_dtype)
+    self.store_nu = store_nu  # likewise for v (nu_dtype)
     self.t = 0  # applied steps
     self.calls = 0  # calls, skipped ones included
     self.skipped = self.consecutive = 0
@@ -143,4 +145,6 @@ class NumpyLamb:
       new_params[k] = x - lr * ratio.reshape(layers_shape + (1,) * (x.ndim - k_axes)) * u
       if self.store_mu is not None:  # u used the unrounded m; the state keeps it rounded
         self.m[k] = self.m[k].astype(self.store_mu).astype(np.float64)
+      if self.store_nu is not None:
+        self.v[k] = self.v[k].astype(self.store_nu).astype(np.float64)
     return new_params

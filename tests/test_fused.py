@@ -6,73 +6,22 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from lamb_reference import NumpyLamb
+from option_cases import (
+  CASES,
+  LR,
+  STEPS,
+  by_path,
+  make_grads,
+  make_params,
+  numpy_lamb,
+)
+from option_cases import build as _build
 
 import optax_lamb
 from optax_lamb.backends import xla as _xla
-
-STEPS = 10
-LR = 1e-2
-
-
-def make_params(seed=0):
-  k = jax.random.split(jax.random.PRNGKey(seed), 5)
-  return {
-    "dense": {"kernel": 0.3 * jax.random.normal(k[0], (16, 64)), "bias": jnp.zeros(64)},
-    "scalar": jnp.asarray(0.7),
-    "conv": 0.2 * jax.random.normal(k[1], (3, 4, 5)),
-    "stacked": 0.5 * jax.random.normal(k[2], (3, 16, 64)),
-    "small": 0.1 * jax.random.normal(k[3], (7,)),
-  }
-
-
-STACKED = {"dense": {"kernel": 0, "bias": 0}, "scalar": 0, "conv": 0, "stacked": 1, "small": 0}
-
-
-def make_grads(params, step, scale=1.0):
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(1000 + step), len(leaves))
-  return jax.tree.unflatten(
-    treedef, [scale * jax.random.normal(k, jnp.shape(x)) for k, x in zip(keys, leaves, strict=True)]
-  )
-
-
-# ------------------------------------------------------------------ NumPy reference
-
-
-def _paths(tree):
-  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def numpy_lamb(params, grads_per_step, opts):
-  """The float64 reference (tests/lamb_reference.py) on a nested tree, leaves named by path."""
-  names = _paths(params)
-  ref = NumpyLamb(
-    opts.get("lr_schedule", LR),
-    b1=opts.get("b1", 0.9),
-    b2=opts.get("b2", 0.999),
-    eps=opts.get("eps", 1e-6),
-    eps_root=opts.get("eps_root", 0.0),
-    weight_decay=opts.get("wd_schedule", opts.get("weight_decay", 0.0)),
-    decay_mask=opts.get("decay_mask"),
-    bias_correction=opts.get("bias_correction", True),
-    adapt_mask=opts.get("adapt_mask"),
-    min_ratio=opts.get("min_ratio"),
-    max_ratio=opts.get("max_ratio"),
-    max_grad_norm=opts.get("max_grad_norm"),
-    stacked_axes=opts.get("stacked"),
-    store_mu=opts.get("store_mu"),
-  )
-  p = {n: np.asarray(x, np.float64) for n, x in zip(names, jax.tree.leaves(params), strict=True)}
-  for grads in grads_per_step:
-    g = {n: np.asarray(x, np.float64) for n, x in zip(names, jax.tree.leaves(grads), strict=True)}
-    p = ref.step(p, g)
-  return p, ref.ratios
-
 
 # ------------------------------------------------------------------------- helpers
 
@@ -100,88 +49,6 @@ def assert_trees_close(a, b, rtol, atol):
     a,
     b,
   )
-
-
-def by_path(tree):
-  return dict(zip(_paths(tree), jax.tree.leaves(tree), strict=True))
-
-
-decay_mask_fn = lambda p: jax.tree.map(lambda x: jnp.ndim(x) > 1, p)
-adapt_mask = {
-  "dense": {"kernel": True, "bias": False},
-  "scalar": False,
-  "conv": True,
-  "stacked": True,
-  "small": True,
-}
-lr_schedule = optax.linear_schedule(LR, LR / 10, STEPS)
-wd_schedule = optax.linear_schedule(0.1, 0.01, STEPS)
-
-
-def _mask_by_path(mask_tree):
-  return {n: bool(x) for n, x in by_path(mask_tree).items()}
-
-
-# (lamb kwargs, NumPy reference options, grad scale)
-CASES = {
-  "defaults": ({}, {}, 1.0),
-  "weight_decay": ({"weight_decay": 0.05}, {"weight_decay": 0.05}, 1.0),
-  "decay_mask": (
-    {"weight_decay": 0.05, "mask": decay_mask_fn},
-    {"weight_decay": 0.05, "decay_mask": _mask_by_path(decay_mask_fn(make_params()))},
-    1.0,
-  ),
-  "trust_ratio_mask": (
-    {"trust_ratio_mask": adapt_mask},
-    {"adapt_mask": _mask_by_path(adapt_mask)},
-    1.0,
-  ),
-  "min_trust_ratio": ({"min_trust_ratio": 0.4}, {"min_ratio": 0.4}, 1.0),
-  "max_trust_ratio": ({"max_trust_ratio": 0.3}, {"max_ratio": 0.3}, 1.0),
-  "no_bias_correction": ({"bias_correction": False}, {"bias_correction": False}, 1.0),
-  "eps_root": ({"eps_root": 1e-4, "eps": 1e-3}, {"eps_root": 1e-4, "eps": 1e-3}, 1.0),
-  "max_grad_norm": ({"max_grad_norm": 0.5}, {"max_grad_norm": 0.5}, 3.0),
-  "stacked_axes": ({"stacked_axes": STACKED}, {"stacked": {"['stacked']": 1}}, 1.0),
-  "schedules": (
-    {"learning_rate": lr_schedule, "weight_decay": wd_schedule},
-    {"lr_schedule": lr_schedule, "wd_schedule": wd_schedule},
-    1.0,
-  ),
-  "mu_bfloat16": ({"mu_dtype": jnp.bfloat16}, {"store_mu": ml_dtypes.bfloat16}, 1.0),
-  "combined": (
-    {
-      "learning_rate": lr_schedule,
-      "weight_decay": wd_schedule,
-      "mask": decay_mask_fn,
-      "trust_ratio_mask": adapt_mask,
-      "min_trust_ratio": 0.05,
-      "max_trust_ratio": 0.6,
-      "max_grad_norm": 1.0,
-      "stacked_axes": STACKED,
-      "b1": 0.8,
-      "b2": 0.99,
-    },
-    {
-      "lr_schedule": lr_schedule,
-      "wd_schedule": wd_schedule,
-      "decay_mask": _mask_by_path(decay_mask_fn(make_params())),
-      "adapt_mask": _mask_by_path(adapt_mask),
-      "min_ratio": 0.05,
-      "max_ratio": 0.6,
-      "max_grad_norm": 1.0,
-      "stacked": {"['stacked']": 1},
-      "b1": 0.8,
-      "b2": 0.99,
-    },
-    2.0,
-  ),
-}
-
-
-def _build(kwargs, implementation):
-  kwargs = dict(kwargs)
-  lr = kwargs.pop("learning_rate", LR)
-  return optax_lamb.lamb(lr, implementation=implementation, **kwargs)
 
 
 @contextlib.contextmanager

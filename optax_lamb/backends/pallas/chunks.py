@@ -95,7 +95,6 @@ class LeafKernelPlan:
   """What the kernels do with one leaf (static)."""
 
   index: int  # position in the tree's leaves
-  stacked_axes: int  # k: the leaf's first k axes index its slices
   slices: int  # S, product of the stacked axes
   length: int  # L, elements per slice
   adapt: bool  # pass 1 computes its norms; pass 2 applies its ratios
@@ -172,7 +171,7 @@ def leaf_plans(shapes, axes, adapts, decays, narrow, ratio_offsets) -> list[Leaf
     from_grads = bool(narrow_i) or not adapt
     plans.append(
       LeafKernelPlan(
-        i, k, math.prod(shape[:k]), math.prod(shape[k:]), adapt, decay, from_grads, offset
+        i, math.prod(shape[:k]), math.prod(shape[k:]), adapt, decay, from_grads, offset
       )
     )
   return plans

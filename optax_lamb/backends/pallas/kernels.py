@@ -250,12 +250,17 @@ def update_kernel(scalars_ref, ratios_ref, *refs, table, block, constants, clip,
 
 
 def update_reference(s: StepScalars, leaf, p, m, v, g, ratios, *, clip: bool, apply: bool):
-  """Pass 2 for one leaf of any shape, in jnp: (out, m', v').
+  """Pass 2 for one leaf of any shape (flat, or as stacked), in jnp: (out, m', v').
 
   Also the driver's XLA pass 2: written per leaf, XLA fuses it with the caller's
   ``optax.apply_updates``. `m`, `v` are the new float32 moments, or the old ones
   and `g` when `leaf.from_grads`; `ratios` is the step's whole ratio vector.
   """
+  shape = jnp.shape(p)
+  # One row per stacked slice (a bitcast in XLA), so each row takes its slice's ratio.
+  p, m, v, g = (
+    None if x is None else jnp.reshape(x, (leaf.slices, leaf.length)) for x in (p, m, v, g)
+  )
   if leaf.from_grads:
     m_new, v_new = moments(g, m, v, s, clip=clip)
     m_out, v_out = m_new.astype(m.dtype), v_new.astype(v.dtype)
@@ -264,6 +269,6 @@ def update_reference(s: StepScalars, leaf, p, m, v, g, ratios, *, clip: bool, ap
   u = direction(m_new, v_new, p, s, decay=leaf.decay)
   ratio = None
   if leaf.adapt:
-    ratio = ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices]
-    ratio = _math.broadcast_ratio(ratio.reshape(jnp.shape(p)[: leaf.stacked_axes]), p)
-  return updates_or_params(u, p, ratio, s, apply=apply), m_out, v_out
+    ratio = ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices, None]
+  out = updates_or_params(u, p, ratio, s, apply=apply)
+  return tuple(jnp.reshape(x, shape) for x in (out, m_out, v_out))
