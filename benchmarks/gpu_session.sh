@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# One call on a lent GPU (H100/H200): versions, the Pallas tests compiled, then the step benchmark.
+# One call on a lent GPU (H100/H200): versions, the Pallas tests compiled, tuning, the step benchmark.
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [stages...]
 #
-# Run from anywhere (it cd's to the repository root); needs no network. Everything it prints is
-# also teed into $OUT: versions.txt, pytest.txt, bench.txt, bench_large.txt, and the benchmark
-# results gpu.json (BERT-base, 1000x1000, huge-64M) and gpu_bert_large.json. Each stage has its
-# own time limit so the whole script stays under 10 minutes; a stage that fails or times out does
-# not stop the next one (the exit status is the first failure's).
+# Stages (default: all, in this order): versions pytest tuning bench. Run from anywhere (it cd's to
+# the repository root); needs no network. Everything it prints is also teed into $OUT/<stage>.txt;
+# the benchmark writes $OUT/gpu.json and the tuning $OUT/tuning.json. Each stage has its own time
+# limit so the whole script stays under 10 minutes; a stage that fails or times out does not stop
+# the next one (the exit status is the first failure's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly.
 export JAX_PLATFORMS=cuda
+STAGES="${*:-versions pytest tuning bench}"
 status=0
 stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT/NAME.txt
   local name=$1 limit=$2
   shift 2
+  case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.txt"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.txt"
   local rc=${PIPESTATUS[0]}
@@ -40,15 +42,21 @@ import jax
 print("backend", jax.default_backend(), "devices", jax.devices())
 EOF'
 
-# TestPallasGPU compiles the kernels (TestPallasInterpret runs them interpreted on the GPU backend).
-stage pytest 240 python3 -m pytest -q -rs -p no:cacheprovider --durations=10 tests/test_pallas.py
+# The compiled kernels (TestPallasGPU) and the dispatcher; the interpreted twin runs in CPU CI.
+stage pytest 180 python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -k "not Interpret" \
+  tests/test_pallas.py tests/test_dispatch.py tests/test_state_layout.py
 
-IMPLS="optax.lamb optax_lamb.lamb update_and_apply pallas.lamb pallas.apply"
+# Launch configurations of the Pallas path, device-only.
+stage tuning 330 python3 -m benchmarks.pallas_tuning --cases bert-large 1000x1000 \
+  --variants ${TUNING_VARIANTS:-default pass2-all-xla pass2-all-kernel leaves-64} \
+  --json "$OUT/tuning.json"
+
+# What users see: device-only and end-to-end step time, buffers, kernels (benchmarks/step.py).
+IMPLS="optax.lamb optax_lamb.lamb update_and_apply xla.lamb pallas.lamb pallas.apply"
+IMPLS="$IMPLS optax_lamb.lamb-bf16 update_and_apply-bf16"
 # shellcheck disable=SC2086
-stage bench 150 python3 -m benchmarks.step --skip-large --impls $IMPLS --json "$OUT/gpu.json"
-# shellcheck disable=SC2086
-stage bench_large 100 python3 -m benchmarks.step --cases bert-large --impls $IMPLS \
-  --json "$OUT/gpu_bert_large.json"
+stage bench 240 python3 -m benchmarks.step --cases ${BENCH_CASES:-bert-large 1000x1000 bert-base} \
+  --impls ${BENCH_IMPLS:-$IMPLS} --json "$OUT/gpu.json"
 
 echo "done $(date -u +%H:%M:%S), status $status; files in $OUT:" && ls -l "$OUT"
 exit "$status"

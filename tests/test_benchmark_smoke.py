@@ -8,12 +8,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
+def _step_module():
   sys.path.insert(0, ROOT)
   try:
     from benchmarks import step
   finally:
     sys.path.remove(ROOT)
+  return step
+
+
+def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
+  step = _step_module()
   out = tmp_path / "quick.json"
   env = dict(os.environ)
   # The benchmark runs on the default device setup, not the tests' 8 host devices.
@@ -44,10 +49,51 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
   report = json.loads(out.read_text())
   assert list(report["cases"]) == step.case_names(quick=True)
   assert report["bandwidth_gbps"] > 0
+  assert report["device_kind"] and report["versions"]["jax"] and report["versions"]["optax"]
+  assert report["inner_steps"] > 1 and report["e2e_steps"] > 1
   for name, case in report["cases"].items():
     assert case["params"] > 0 and case["leaves"] > 0, name
     assert list(case["results"]) == list(step.DEFAULT_IMPLEMENTATIONS), name
     for impl, r in case["results"].items():
-      assert r["median_ms"] > 0 and all(t > 0 for t in r["times_ms"]), (name, impl)
-      assert len(r["times_ms"]) == 2
-      assert r["bytes_per_param"] > 0 and r["ratio_to_optax"] > 0, (name, impl)
+      where = (name, impl)
+      assert "error" not in r, where
+      assert r["device_ms"] > 0 and r["median_ms"] == r["device_ms"], where
+      assert r["e2e_ms"] > 0 and r["e2e_sync_ms"] > 0, where
+      for key in ("times_ms", "e2e_times_ms", "e2e_sync_times_ms"):
+        assert len(r[key]) == 2 and all(t > 0 for t in r[key]), (*where, key)
+      for key in ("state_buffers", "input_buffers", "kernels"):
+        assert isinstance(r[key], int) and r[key] > 0, (*where, key)
+      # params and grads hold one buffer per leaf each, besides the state's
+      assert r["input_buffers"] == r["state_buffers"] + 2 * case["leaves"], where
+      assert r["bytes_per_param"] > 0, where
+      assert r["ratio_to_optax"] > 0 and r["e2e_ratio_to_optax"] > 0, where
+
+
+def test_kernel_count_reads_the_entry_computation_only():
+  step = _step_module()
+  hlo = """HloModule jit_step, is_scheduled=true
+
+%fused_computation (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %multiply.0 = f32[8]{0} multiply(%param_0, %param_0)
+}
+
+ENTRY %main.5 (p: f32[8], g: f32[8]) -> (f32[8], f32[]) {
+  %p = f32[8]{0} parameter(0), metadata={op_name="params[\\'w\\']"}
+  %g = f32[8]{0} parameter(1)
+  %constant.1 = f32[] constant(0)
+  %fusion = f32[8]{0} fusion(%p, %g), kind=kLoop, calls=%fused_computation
+  %bitcast.2 = f32[2,4]{1,0} bitcast(%fusion)
+  %reduce.3 = f32[] reduce(%bitcast.2, %constant.1), dimensions={0,1}, to_apply=%add
+  %copy.4 = f32[8]{0} copy(%p)
+  %gte = f32[8]{0} get-tuple-element(%t), index=0
+  ROOT %tuple = (f32[8]{0}, f32[]) tuple(%fusion, %reduce.3)
+}
+"""
+  assert step.count_kernels(hlo) == 3  # fusion, reduce, copy
+
+
+def test_results_file_is_named_after_the_device():
+  step = _step_module()
+  assert step.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+  assert step.slugify("NVIDIA H200") == "nvidia-h200"

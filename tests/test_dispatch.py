@@ -20,7 +20,8 @@ def on_a_gpu(monkeypatch):
   monkeypatch.setattr(_dispatch.jax, "default_backend", lambda: "gpu")
 
 
-def test_auto_on_a_cpu_is_the_xla_path():
+def test_auto_on_a_cpu_is_the_xla_path(monkeypatch):
+  monkeypatch.setattr(_dispatch.jax, "default_backend", lambda: "cpu")
   choice = _dispatch.choose("auto", *LEAVES)
   assert choice.backend == "xla" and "'cpu'" in choice.reason
 
@@ -30,9 +31,9 @@ def test_auto_on_one_gpu_is_the_kernels(on_a_gpu, monkeypatch):
   assert _dispatch.choose("auto", *LEAVES) == _dispatch.Choice("pallas", None)
 
 
-def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu):
+def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu, monkeypatch):
   """Outside shard_map a pallas_call would gather sharded leaves: auto takes the XLA path."""
-  assert jax.device_count() > 1  # tests/conftest.py: 8 host devices
+  monkeypatch.setattr(_dispatch.jax, "device_count", lambda: 8)
   choice = _dispatch.choose("auto", *LEAVES)
   assert choice.backend == "xla" and "outside shard_map" in choice.reason
 

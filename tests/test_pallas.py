@@ -311,7 +311,7 @@ class TestPallasGPU:
       return params
 
     with warnings.catch_warnings():
-      warnings.simplefilter("error")  # no fallback to XLA
+      warnings.filterwarnings("error", message=".*XLA path")  # the kernels, no fallback
       got = sharded(params, *grads)
     assert_finite(got)
     assert_close(got, p_want, msg=f"PALLAS_TEST_SEED={SEED}")
