@@ -59,18 +59,6 @@ def device_ms(make_step, params, state, grads, inner, runs):
   return 1e3 * statistics.median(times), fusions, customs, (params, state)
 
 
-def update_then_apply(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
-def fused(tx):
-  return lambda params, state, grads: optax_lamb.update_and_apply(tx, grads, state, params)
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--cases", nargs="+", default=["bert-large", "1000x1000"])
@@ -91,16 +79,22 @@ def main(argv=None):
     params = bench.random_tree(cases[name], 0, 0.02)
     grads = bench.random_tree(cases[name], 1, 1e-3)
     baselines = {
-      "optax.lamb": (optax.lamb(LR, weight_decay=WD), update_then_apply),
-      "xla.update": (optax_lamb.lamb(LR, weight_decay=WD, implementation="xla"), update_then_apply),
-      "xla.apply": (optax_lamb.lamb(LR, weight_decay=WD, implementation="xla"), fused),
+      "optax.lamb": (optax.lamb(LR, weight_decay=WD), bench._update_then_apply),
+      "xla.update": (
+        optax_lamb.lamb(LR, weight_decay=WD, implementation="xla"),
+        bench._update_then_apply,
+      ),
+      "xla.apply": (
+        optax_lamb.lamb(LR, weight_decay=WD, implementation="xla"),
+        bench._update_and_apply,
+      ),
     }
     runs = [(impl, None, tx, make) for impl, (tx, make) in baselines.items()]
     for variant in args.variants:
       sizes = BlockSizes(**VARIANTS[variant])
       tx = optax_lamb.lamb(LR, weight_decay=WD, implementation="pallas")
-      runs += [("pallas.update", (variant, sizes), tx, update_then_apply)]
-      runs += [("pallas.apply", (variant, sizes), tx, fused)]
+      runs += [("pallas.update", (variant, sizes), tx, bench._update_then_apply)]
+      runs += [("pallas.apply", (variant, sizes), tx, bench._update_and_apply)]
     for impl, variant, tx, make in runs:
       state = tx.init(params)
       try:

@@ -81,12 +81,12 @@ def lamb(
       or per leaf a pytree prefix / callable(params) of those with ``None`` for
       replicated leaves. ``None`` (default): no leaf is sharded, as under
       ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
-    implementation: ``"xla"`` (two fused passes over memory per leaf),
-      ``"pallas"`` (two Triton kernels per bucket of leaves, experimental: not
-      yet compiled or validated on a GPU; without a GPU it runs in Pallas
-      interpret mode, slowly), ``"auto"`` (the XLA path on every backend until
-      the Pallas kernels are validated on a GPU) or ``"reference"`` (the plain
-      chain of stages, slower; same values and state).
+    implementation: ``"auto"`` (the Pallas kernels on one GPU or inside
+      ``shard_map``, else the XLA path; the rules are in ``optax_lamb/_dispatch.py``),
+      ``"xla"`` (two fused passes over memory per leaf), ``"pallas"`` (Triton
+      kernels over buckets of leaves; compiled and validated on an H100 with
+      jax 0.11.2; without a GPU they run in Pallas interpret mode, slowly) or
+      ``"reference"`` (the plain chain of stages, slower). Same values and state.
     skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
     grad_scale: divide the gradients by this loss scale before anything else: a

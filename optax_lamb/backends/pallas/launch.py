@@ -60,6 +60,13 @@ def _call(kernel, operands, *, block_sizes, interpret, **kwargs):
 _STATIC = ("table", "block_sizes", "constants", "clip", "interpret")
 
 
+def _bucket_kernel(kernel, *, table, block_sizes, constants, clip, **static):
+  """`kernel` with the static arguments of one launch over a bucket of leaves."""
+  return functools.partial(
+    kernel, table=table, block=block_sizes.block, constants=constants, clip=clip, **static
+  )
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def moments_and_norms(scalars, ps, gs, ms, vs, *, table, block_sizes, constants, clip, interpret):
   """Pass 1 over one bucket: (m's and v's of the `pass1_outputs` leaves, p partials, u partials)."""
@@ -71,10 +78,10 @@ def moments_and_norms(scalars, ps, gs, ms, vs, *, table, block_sizes, constants,
   count = programs(table)
   partial = _out_struct((count,), jnp.float32, ps[0])
   out = _call(
-    functools.partial(
+    _bucket_kernel(
       kernels.moments_and_norms_kernel,
       table=table,
-      block=block_sizes.block,
+      block_sizes=block_sizes,
       constants=constants,
       clip=clip,
     ),
@@ -137,10 +144,10 @@ def updates(scalars, ratios, operands, *, table, block_sizes, constants, clip, a
     if name != "out" or apply:
       aliases[position[(j, like[name])]] = i
   result = _call(
-    functools.partial(
+    _bucket_kernel(
       kernels.update_kernel,
       table=table,
-      block=block_sizes.block,
+      block_sizes=block_sizes,
       constants=constants,
       clip=clip,
       apply=apply,
