@@ -109,7 +109,7 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
     )
   leaves = tuple(
     LeafPlan(bool(d), bool(a), k, n, offset)
-    for d, a, k, n, offset in zip(decays, adapts, axes, names, layout.offsets, strict=False)
+    for d, a, k, n, offset in zip(decays, adapts, axes, names, layout.offsets[:-1], strict=True)
   )
   return StepPlan(
     config=c,

@@ -105,7 +105,7 @@ def step(
   """One lamb step on flat lists of leaves; the same contract as `backends.xla.step`."""
   sizes, interpret = chunks.BlockSizes.get_default(), chunks.interpret()
   s = _scalars(plan)
-  runtime = dict(constants=s.constants(), clip=plan.clip_factor is not None, interpret=interpret)
+  static = dict(constants=s.constants(), clip=plan.clip_factor is not None, interpret=interpret)
   shapes = [tuple(jnp.shape(p)) for p in params]
   narrow = [jnp.dtype(m.dtype) != jnp.float32 or jnp.dtype(v.dtype) != jnp.float32
             for m, v in zip(mu, nu, strict=True)]  # fmt: skip
@@ -131,7 +131,7 @@ def step(
       *([flat(x[i]) for i in picked] for x in (params, grads, mu, nu)),
       table=table,
       block_sizes=sizes,
-      **runtime,
+      **static,
     )
     for w, j in enumerate(kernels.pass1_outputs(table)):
       i = table[j].leaf.index
@@ -154,12 +154,12 @@ def step(
       x = pass2_inputs(leaf)
       i = leaf.index
       out[i], new_mu[i], new_nu[i] = kernels.update_reference(
-        s, leaf, x["p"], x["m"], x["v"], x.get("g"), ratios, clip=runtime["clip"], apply=False
+        s, leaf, x["p"], x["m"], x["v"], x.get("g"), ratios, clip=static["clip"], apply=False
       )
   for table in chunks.buckets([leaf for leaf in leaves if not in_xla(leaf)], sizes):
     operands = [{k: flat(x) for k, x in pass2_inputs(c.leaf).items()} for c in table]
     results = launch.updates(
-      scalars, ratios, operands, table=table, block_sizes=sizes, apply=apply, **runtime
+      scalars, ratios, operands, table=table, block_sizes=sizes, apply=apply, **static
     )
     for c, result in zip(table, results, strict=True):
       i = c.leaf.index
