@@ -53,8 +53,9 @@ def scale_by_adam(
   _check_args.check_in_unit_interval("b2", b2)
   _check_args.check_non_negative("eps", eps)
   _check_args.check_non_negative("eps_root", eps_root)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+  _check_args.check_bool("bias_correction", bias_correction)
+  mu_dtype = _check_args.check_float_dtype("mu_dtype", mu_dtype)
+  nu_dtype = _check_args.check_float_dtype("nu_dtype", nu_dtype)
 
   def init_fn(params):
     return optax.ScaleByAdamState(

@@ -1,45 +1,146 @@
-"""Validation of hyper-parameters given as Python numbers, at build time."""
+"""Checks of the arguments a transformation is built with; each error names the argument and value.
+
+Python and NumPy numbers are checked by value. A jax array may be a tracer
+(``optax.inject_hyperparams`` passes the numeric hyper-parameters as arrays,
+under jit), so only its shape and dtype are checked; a callable is a schedule
+(or, for a per-leaf option, a function of the params) and is checked when called.
+NaN fails every comparison, so each check states what is allowed
+(``0 <= x < inf``), never what is not.
+"""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-def is_python_number(x: Any) -> bool:
-  """True for int/float literals; arrays, tracers and schedules are checked at run time."""
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+_BOOLS = (bool, np.bool_)
+
+
+def _number(name: str, value: Any, must: str, schedule: bool) -> float | None:
+  """The value to check, or None where only run time knows it (a jax array, a schedule)."""
+  if isinstance(value, _BOOLS):
+    pass
+  elif isinstance(value, numbers.Real):
+    return float(value)
+  elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    real = jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)
+    if value.ndim == 0 and real:
+      return None if isinstance(value, jax.Array) else float(value)
+  elif schedule and callable(value):
+    return None
+  raise TypeError(f"{name} must be {must}, got {name}={value!r}")
+
+
+def _check_number(name: str, value: Any, ok, what: str, schedule: bool) -> None:
+  either = ", a scalar array or a schedule (count -> value)" if schedule else " or a scalar array"
+  must = what + either
+  x = _number(name, value, must, schedule)
+  if x is not None and not ok(x):
+    raise ValueError(f"{name} must be {what}, got {name}={value!r}")
 
 
 def check_in_unit_interval(name: str, value: Any) -> None:
-  if is_python_number(value) and not 0.0 <= value < 1.0:
-    raise ValueError(f"{name} must be in [0, 1), got {name}={value!r}")
+  _check_number(name, value, lambda x: 0.0 <= x < 1.0, "a number in [0, 1)", schedule=False)
 
 
-def check_non_negative(name: str, value: Any) -> None:
-  if is_python_number(value) and value < 0:
-    raise ValueError(f"{name} must be >= 0, got {name}={value!r}")
+def check_non_negative(name: str, value: Any, *, schedule: bool = False) -> None:
+  _check_number(name, value, lambda x: 0.0 <= x < math.inf, "a finite number >= 0", schedule)
 
 
-def check_positive(name: str, value: Any) -> None:
-  if is_python_number(value) and not value > 0:
-    raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+def check_positive(name: str, value: Any, *, schedule: bool = False) -> None:
+  _check_number(name, value, lambda x: 0.0 < x < math.inf, "a finite number > 0", schedule)
 
 
 def check_ratio_bounds(min_name: str, min_value: Any, max_name: str, max_value: Any) -> None:
-  check_non_negative(min_name, min_value)
-  check_non_negative(max_name, max_value)
-  if is_python_number(min_value) and is_python_number(max_value) and min_value > max_value:
+  """Optional (None) clamps, each finite and >= 0, the lower one <= the upper one."""
+  for name, value in ((min_name, min_value), (max_name, max_value)):
+    if value is not None:
+      check_non_negative(name, value)
+  if all(isinstance(v, numbers.Real) for v in (min_value, max_value)) and min_value > max_value:
     raise ValueError(
       f"{min_name} must be <= {max_name}, got {min_name}={min_value!r} > {max_name}={max_value!r}"
     )
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-  if value not in choices:
+  if not (isinstance(value, str) and value in choices):
     raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")
 
 
 def check_bool(name: str, value: Any) -> None:
-  if not isinstance(value, bool):
+  if not isinstance(value, _BOOLS):
     raise TypeError(f"{name} must be True or False, got {name}={value!r}")
+
+
+def check_float_dtype(name: str, value: Any, *, optional: bool = True) -> np.dtype | None:
+  """The dtype `value` names, which must be a floating-point one (None passes if `optional`)."""
+  if value is None and optional:
+    return None
+  try:
+    dtype = None if value is None else jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+      f"{name} must be {'None or ' if optional else ''}a floating-point dtype "
+      f"(float32, bfloat16, float16), got {name}={value!r}"
+    )
+  return dtype
+
+
+def check_transformation(name: str, value: Any) -> None:
+  if not all(callable(getattr(value, f, None)) for f in ("init", "update")):
+    raise TypeError(f"{name} must be an optax.GradientTransformation, got {name}={value!r}")
+
+
+# Per-leaf options: None, a callable(params), or a pytree prefix of the params whose
+# leaves are values of one kind (a None leaf takes the default).
+_KINDS = {"bool": "True or False", "int": "an int >= 0"}
+
+
+def _leaf_error(kind: str, leaf: Any) -> type[Exception] | None:
+  """None for a valid value of a per-leaf option of `kind`, else the error to raise."""
+  if kind == "bool":
+    return None if isinstance(leaf, _BOOLS) else TypeError
+  if not isinstance(leaf, numbers.Integral) or isinstance(leaf, _BOOLS):
+    return TypeError
+  return None if leaf >= 0 else ValueError
+
+
+def check_per_leaf_values(name: str, value: Any, kind: str) -> None:
+  """Every leaf of the pytree `value` is of `kind` ("bool" or "int"); None leaves are allowed."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+    error = _leaf_error(kind, leaf)
+    if error is not None:
+      raise error(
+        f"{name} must be None, {_KINDS[kind]}, a pytree of those (a prefix of the params) or a "
+        f"callable(params) returning one; got {name}{jax.tree_util.keystr(path)}={leaf!r}"
+      )
+
+
+def check_per_leaf(name: str, value: Any, kind: str) -> None:
+  if value is not None and not callable(value):
+    check_per_leaf_values(name, value, kind)
+
+
+def is_axis_name(x: Any) -> bool:
+  """True for one mapped-axis name (a str), a tuple of names, or None (not sharded)."""
+  if x is None or isinstance(x, str):
+    return True
+  return type(x) is tuple and len(x) > 0 and all(isinstance(a, str) for a in x)
+
+
+def check_axis_name(name: str, value: Any) -> None:
+  if callable(value):
+    return
+  for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_axis_name)[0]:
+    if not is_axis_name(leaf):
+      raise TypeError(
+        f"{name} must be None, a mapped axis name (str), a tuple of names, a pytree of those "
+        f"or a callable(params) returning one; got {name}{jax.tree_util.keystr(path)}={leaf!r}"
+      )

@@ -43,7 +43,8 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
   Returns:
     An :class:`optax.GradientTransformation` with :class:`optax.EmptyState`.
   """
-  _check_args.check_positive("max_grad_norm", max_norm)
+  _check_args.check_positive("max_norm", max_norm)
+  _check_args.check_axis_name("axis_name", axis_name)
 
   def update_fn(updates, state, params=None):
     del params

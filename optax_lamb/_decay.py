@@ -23,13 +23,15 @@ def add_decayed_weights(
 
   Args:
     weight_decay: a non-negative float, array, or schedule ``step -> float``.
-    mask: pytree of bools (or a callable returning one) selecting the leaves that
-      decay; ``None`` decays every leaf. As in :func:`optax.masked`.
+    mask: pytree of bools (a prefix of the params, or a callable(params) returning
+      one) selecting the leaves that decay, as in :func:`optax.masked`; ``None``
+      decays every leaf, and so does a ``None`` entry of the pytree.
 
   Returns:
     An :class:`optax.GradientTransformation`.
   """
-  _check_args.check_non_negative("weight_decay", weight_decay)
+  _check_args.check_non_negative("weight_decay", weight_decay, schedule=True)
+  _check_args.check_per_leaf("mask", mask, "bool")
   is_schedule = callable(weight_decay)
 
   def init_fn(params):
@@ -47,4 +49,8 @@ def add_decayed_weights(
     return updates, state
 
   tx = optax.GradientTransformation(init_fn, update_fn)
-  return tx if mask is None else optax.masked(tx, mask)
+  if mask is None:
+    return tx
+  # optax.masked calls this on the params (init) and the updates; it checks the mask
+  # against them and names it (optax.masked's own error is a bare pytree mismatch).
+  return optax.masked(tx, lambda tree: _tree.resolve_per_leaf(mask, tree, True, "mask", "bool"))

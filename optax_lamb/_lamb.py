@@ -13,7 +13,7 @@ from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
 from optax_lamb._mixed_precision import with_master_weights
 from optax_lamb._plan import LambConfig
-from optax_lamb._trust_ratio import scale_by_trust_ratio
+from optax_lamb._trust_ratio import trust_ratio_stage
 
 
 def lamb(
@@ -56,17 +56,19 @@ def lamb(
   :class:`optax_lamb.ScaleByTrustRatioState` and the learning rate.
 
   Args:
-    learning_rate: a float or an optax schedule.
+    learning_rate: a finite float >= 0, a scalar array or an optax schedule.
     b1: decay of the first moment, in [0, 1).
     b2: decay of the second moment, in [0, 1).
     eps: added to the Adam denominator outside the square root.
     eps_root: added to the second moment inside the square root.
     weight_decay: decoupled weight decay (float or schedule), added to the
       Adam direction and so inside the trust-ratio norm.
-    mask: weight-decay mask, a pytree of bools or callable(params), as in optax.
+    mask: weight-decay mask, as in optax: a pytree of bools (a prefix of the
+      params; a ``None`` entry decays) or callable(params) returning one.
     bias_correction: ``False`` gives u = m / (sqrt(v) + eps), as Google's code.
-    trust_ratio_mask: pytree of bools or callable(params): the leaves that get
-      layer adaptation; the others use ratio 1. ``None``: every leaf.
+    trust_ratio_mask: pytree of bools (a prefix of the params) or callable(params):
+      the leaves that get layer adaptation; the others use ratio 1. ``None`` (or a
+      ``None`` entry): every leaf.
     min_trust_ratio: lower clamp of the ratio, applied when both norms are non-zero.
     max_trust_ratio: upper clamp of the ratio, applied when both norms are non-zero.
     max_grad_norm: clip the gradients to this global norm before the moments.
@@ -116,12 +118,18 @@ def lamb(
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
-  _check_args.check_choice("implementation", implementation, _dispatch.IMPLEMENTATIONS)
-  if max_grad_norm is not None:
-    _check_args.check_positive("max_grad_norm", max_grad_norm)
+  # b1, b2, eps, eps_root, bias_correction, mu_dtype, nu_dtype are checked by scale_by_adam,
+  # weight_decay and mask by add_decayed_weights, when the stages are built below.
+  _check_args.check_non_negative("learning_rate", learning_rate, schedule=True)
+  _check_args.check_per_leaf("trust_ratio_mask", trust_ratio_mask, "bool")
   _check_args.check_ratio_bounds(
     "min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio
   )
+  if max_grad_norm is not None:
+    _check_args.check_positive("max_grad_norm", max_grad_norm)
+  _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
+  _check_args.check_axis_name("axis_name", axis_name)
+  _check_args.check_choice("implementation", implementation, _dispatch.IMPLEMENTATIONS)
   _check_args.check_bool("skip_nonfinite", skip_nonfinite)
   _check_args.check_bool("master_weights", master_weights)
   _loss_scale.check_grad_scale(grad_scale)
@@ -150,12 +158,16 @@ def lamb(
       b1, b2, eps, eps_root, bias_correction=bias_correction, mu_dtype=mu_dtype, nu_dtype=nu_dtype
     ),
     add_decayed_weights(weight_decay, mask),
-    scale_by_trust_ratio(
+    trust_ratio_stage(
+      min_norm=0.0,
+      trust_coefficient=1.0,
+      eps=0.0,
       mask=trust_ratio_mask,
       min_ratio=min_trust_ratio,
       max_ratio=max_trust_ratio,
       stacked_axes=stacked_axes,
       axis_name=axis_name,
+      mask_name="trust_ratio_mask",
     ),
     optax.scale_by_learning_rate(learning_rate),
   )

@@ -82,5 +82,5 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
 
 
 def check_grad_scale(grad_scale: Any) -> None:
-  if grad_scale is not None and not callable(grad_scale):
-    _check_args.check_positive("grad_scale", grad_scale)
+  if grad_scale is not None:
+    _check_args.check_positive("grad_scale", grad_scale, schedule=True)

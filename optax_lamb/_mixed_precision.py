@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _tree
+from optax_lamb import _check_args, _nnx, _tree
 
 
 class MasterWeightsState(NamedTuple):
@@ -58,8 +58,9 @@ def with_master_weights(
     An :class:`optax.GradientTransformationExtraArgs` with :class:`MasterWeightsState`;
     its updates have the params' dtypes.
   """
+  _check_args.check_transformation("inner", inner)
+  dtype = _check_args.check_float_dtype("dtype", dtype, optional=False)
   inner = optax.with_extra_args_support(inner)
-  dtype = jnp.dtype(dtype)
 
   def init_fn(params):
     # A copy even for float32 params: the master must not share a buffer that the
@@ -100,4 +101,4 @@ def master_weights(opt_state: Any) -> Any:
     "No master weights in this optimizer state: build it with "
     "optax_lamb.lamb(..., master_weights=True) or optax_lamb.with_master_weights(tx).",
   )
-  return found[0].master
+  return _nnx.plain_values(found[0].master)  # plain arrays from an nnx.Optimizer's state too

@@ -94,8 +94,8 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
 
   treedef = jax.tree.structure(params)
   per_leaf = (
-    _tree.resolve_per_leaf(c.mask, grads, True),
-    _tree.resolve_per_leaf(c.trust_ratio_mask, params, True),
+    _tree.resolve_per_leaf(c.mask, grads, True, "mask", "bool"),
+    _tree.resolve_per_leaf(c.trust_ratio_mask, params, True, "trust_ratio_mask", "bool"),
     _tree.resolve_stacked_axes(c.stacked_axes, params),
   )
   decays, adapts, axes = (treedef.flatten_up_to(t) for t in per_leaf)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
 
 from optax_lamb import _check_trees, _loss_scale, _math, _tree
@@ -36,26 +37,32 @@ def with_prologue(
   unscaling = _loss_scale.unscale_gradients(grad_scale)
   scheduled = callable(grad_scale)
 
-  def prologue(grads, params):
-    _check_trees.check_update_args(grads, params, who)
-    return _math.to_compute_dtype(grads)
-
   def init_fn(params):
     if not _tree.is_params_placeholder(params):
       _check_trees.check_params(params, who)
     inner_state = inner.init(params)
     return (unscaling.init(params), inner_state) if scheduled else inner_state
 
+  def prologue(grads, state, params):
+    """(float32 grads, state) after the checks of the trees and of the state."""
+    _check_trees.check_update_args(grads, params, who)
+    # The state must be what init gives for these params: checked on shapes, at trace time.
+    state = _check_trees.check_state(state, jax.eval_shape(init_fn, params), who)
+    return _math.to_compute_dtype(grads), state
+
   def update_fn(updates, state, params=None, **extra_args):
+    grads, state = prologue(updates, state, params)
     scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
-    grads = prologue(updates, params)
     given = extra_args.pop("grad_scale", None)
     grads, scale_state = unscaling.update(grads, scale_state, grad_scale=given)
     updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
     return updates, ((scale_state, inner_state) if scheduled else inner_state)
 
   if fused_apply is not None and grad_scale is None:
-    update_fn.fused_apply = lambda grads, state, params: fused_apply(
-      prologue(grads, params), state, params
-    )
+
+    def fused(grads, state, params):
+      grads, state = prologue(grads, state, params)
+      return fused_apply(grads, state, params)
+
+    update_fn.fused_apply = fused
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _math, _tree
+from optax_lamb import _check_args, _math, _nnx, _tree
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -66,13 +66,26 @@ def skip_nonfinite(
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
   """
+  _check_args.check_transformation("inner", inner)
+  _check_args.check_axis_name("axis_name", axis_name)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zero = jnp.zeros([], jnp.int32)
-    return SkipNonFiniteState(total=zero, consecutive=zero, inner_state=inner.init(params))
+    # Two arrays, not one twice: a donated state must not hold a buffer twice.
+    return SkipNonFiniteState(
+      total=jnp.zeros([], jnp.int32),
+      consecutive=jnp.zeros([], jnp.int32),
+      inner_state=inner.init(params),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, SkipNonFiniteState):
+      raise ValueError(
+        f"skip_nonfinite: the optimizer state is {type(state).__name__} where "
+        "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected; pass "
+        "the state that this optimizer's init returned (a checkpoint restored without a "
+        "target gives a dict: restore with jax.eval_shape(tx.init, params) as the target)."
+      )
     finite = all_finite(updates, axis_name)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
@@ -115,4 +128,6 @@ def skip_counts(opt_state: Any) -> SkipCounts:
     "No skip_nonfinite stage in this optimizer state: build it with "
     "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx).",
   )
-  return SkipCounts(total=found[0].total, consecutive=found[0].consecutive)
+  # Plain arrays also from a Flax NNX optimizer's state (OptVariable wrappers).
+  counts = _nnx.plain_values((found[0].total, found[0].consecutive))
+  return SkipCounts(*counts)

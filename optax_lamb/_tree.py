@@ -6,6 +6,9 @@ from typing import Any
 
 import jax
 
+from optax_lamb import _check_args
+from optax_lamb._check_args import is_axis_name
+
 try:  # private in optax; absent in some versions, then nothing is a placeholder
   from optax.tree_utils._state_utils import _ParamsPlaceholder
 except ImportError:  # pragma: no cover
@@ -59,45 +62,70 @@ def check_same_structure(tree, tree_name: str, reference, reference_name: str) -
   )
 
 
-def resolve_per_leaf(option: Any, params: Any, default: Any) -> Any:
-  """A per-leaf option given as a value, a pytree (prefix) or a callable(params).
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _short(treedef: Any, limit: int = 300) -> str:
+  text = str(treedef)
+  return text if len(text) <= limit else text[:limit] + "...)"
+
+
+def _prefix_mismatch(option: Any, name: str, params: Any) -> str:
+  """Why `option` is not a pytree prefix of `params`: both structures, and the paths that differ."""
+  ours, theirs = _paths(option), _paths(params)
+  under = lambda path, prefix: prefix == "<root>" or path.startswith(prefix)
+  only_ours = [p for p in ours if not any(under(q, p) for q in theirs)]
+  only_theirs = [q for q in theirs if not any(under(q, p) for p in ours)]
+  details = [
+    f"in {name} but not in params: {only_ours[:10]}" if only_ours else "",
+    f"in params but not in {name}: {only_theirs[:10]}" if only_theirs else "",
+  ]
+  details = [d for d in details if d] or ["same paths, different containers"]
+  return (
+    f"{name} must be a pytree prefix of the params (or a callable(params) returning one): "
+    f"params structure {_short(jax.tree.structure(params))}, {name} structure "
+    f"{_short(jax.tree.structure(option, is_leaf=_is_none))}; " + "; ".join(details)
+  )
+
+
+def resolve_per_leaf(option: Any, params: Any, default: Any, name: str, kind: str) -> Any:
+  """A per-leaf option given as a value, a pytree prefix of `params` or a callable(params).
 
   Returns a pytree with the structure of `params` whose leaves are the option's
-  value for each leaf (`default` where the option is None).
+  value for each leaf (`default` where the option is None). `name` is the
+  argument's name for errors, `kind` the kind of its values ("bool" or "int").
   """
   if option is None:
     return jax.tree.map(lambda _: default, params)
   if callable(option):
     option = option(params)
-  if jax.tree_util.treedef_is_leaf(jax.tree.structure(option)):
-    return jax.tree.map(lambda _: option, params)
+    _check_args.check_per_leaf_values(f"{name}(params)", option, kind)
+  option_def = jax.tree.structure(option, is_leaf=_is_none)
   try:
-    return jax.tree.map(
-      lambda opt, leaf_tree: jax.tree.map(lambda _: default if opt is None else opt, leaf_tree),
-      option,
-      params,
-      is_leaf=lambda x: x is None,
-    )
-  except ValueError as e:
-    check_same_structure(option, "the per-leaf option", params, "params")
-    raise e
+    subtrees = option_def.flatten_up_to(params)
+  except (ValueError, TypeError) as e:
+    raise ValueError(_prefix_mismatch(option, name, params)) from e
+  values = option_def.flatten_up_to(option)
+  return option_def.unflatten(
+    [
+      jax.tree.map(lambda _, v=v: default if v is None else v, sub)
+      for v, sub in zip(values, subtrees, strict=True)
+    ]
+  )
 
 
 def resolve_stacked_axes(stacked_axes: Any, params: Any) -> Any:
   """Per-leaf number of leading stacked-layer axes, validated against leaf ranks."""
-  axes = resolve_per_leaf(stacked_axes, params, 0)
+  axes = resolve_per_leaf(stacked_axes, params, 0, "stacked_axes", "int")
 
   def check(path, k, leaf):
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-      raise ValueError(
-        f"stacked_axes must be a non-negative int per leaf, got {k!r} at {jax.tree_util.keystr(path)}"
-      )
     if k > jax.numpy.ndim(leaf):
       raise ValueError(
         f"stacked_axes={k} at {jax.tree_util.keystr(path)} exceeds the leaf's rank "
         f"{jax.numpy.ndim(leaf)} (shape {jax.numpy.shape(leaf)})"
       )
-    return k
+    return int(k)
 
   return jax.tree_util.tree_map_with_path(check, axes, params)
 
@@ -106,13 +134,6 @@ def tree_unzip(out: Any, treedef: Any, n: int) -> tuple[Any, ...]:
   """Split a tree (of structure `treedef`) whose leaves are n-tuples into n trees."""
   columns = treedef.flatten_up_to(out)
   return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n))
-
-
-def is_axis_name(x: Any) -> bool:
-  """True for one mapped-axis name (a str), a tuple of names, or None (not sharded)."""
-  if x is None or isinstance(x, str):
-    return True
-  return type(x) is tuple and len(x) > 0 and all(isinstance(a, str) for a in x)
 
 
 def resolve_axis_names(axis_name: Any, tree: Any) -> list[Any]:

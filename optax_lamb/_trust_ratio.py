@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _tree
+from optax_lamb import _check_args, _math, _nnx, _tree
 
 
 @jax.tree_util.register_static
@@ -137,11 +137,25 @@ def scale_by_trust_ratio(
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
   _check_args.check_non_negative("min_norm", min_norm)
-  _check_args.check_non_negative("eps", eps)
   _check_args.check_positive("trust_coefficient", trust_coefficient)
+  _check_args.check_non_negative("eps", eps)
+  _check_args.check_per_leaf("mask", mask, "bool")
   _check_args.check_ratio_bounds("min_ratio", min_ratio, "max_ratio", max_ratio)
+  _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
+  _check_args.check_axis_name("axis_name", axis_name)
+  return trust_ratio_stage(
+    min_norm, trust_coefficient, eps, mask, min_ratio, max_ratio, stacked_axes, axis_name, "mask"
+  )
+
+
+def trust_ratio_stage(
+  min_norm, trust_coefficient, eps, mask, min_ratio, max_ratio, stacked_axes, axis_name, mask_name
+) -> optax.GradientTransformation:
+  """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`."""
 
   def init_fn(params):
+    if not _tree.is_params_placeholder(params):
+      _tree.resolve_per_leaf(mask, params, True, mask_name, "bool")  # fail early, by name
     layout = RatioLayout.of(params, stacked_axes)
     return ScaleByTrustRatioState(ratios=jnp.ones((layout.size,), jnp.float32), layout=layout)
 
@@ -149,7 +163,7 @@ def scale_by_trust_ratio(
     if params is None:
       raise ValueError("scale_by_trust_ratio needs params: call update(updates, state, params)")
     _tree.check_same_structure(updates, "updates", params, "params")
-    adapt = _tree.resolve_per_leaf(mask, params, True)
+    adapt = _tree.resolve_per_leaf(mask, params, True, mask_name, "bool")
     axes = _tree.resolve_stacked_axes(stacked_axes, params)
 
     def leaf(u, p, k, adapts, name):
@@ -196,7 +210,8 @@ def trust_ratios(opt_state: Any) -> Any:
     "No trust-ratio stage in this optimizer state: trust_ratios() reads the state of "
     "optax_lamb.lamb or optax_lamb.scale_by_trust_ratio.",
   )
-  ratios = tuple(s.layout.split(s.ratios) for s in found)
+  # Plain arrays also from a Flax NNX optimizer's state (OptVariable / Param wrappers).
+  ratios = tuple(_nnx.plain_values(s.layout.split(_nnx.plain_values(s.ratios))) for s in found)
   return ratios[0] if len(ratios) == 1 else ratios
 
 

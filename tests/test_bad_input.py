@@ -200,8 +200,16 @@ def test_bad_params_at_init(params, error, match, options):
       TypeError,
       r"master_weights must be True or False, got master_weights=1",
     ),
-    (dict(grad_scale=0.0), ValueError, r"grad_scale must be > 0, got grad_scale=0.0"),
-    (dict(grad_scale=-1024), ValueError, r"grad_scale must be > 0, got grad_scale=-1024"),
+    (
+      dict(grad_scale=0.0),
+      ValueError,
+      r"grad_scale must be a finite number > 0, got grad_scale=0.0",
+    ),
+    (
+      dict(grad_scale=-1024),
+      ValueError,
+      r"grad_scale must be a finite number > 0, got grad_scale=-1024",
+    ),
   ],
 )
 def test_bad_options(kwargs, error, match):
@@ -218,7 +226,9 @@ def test_grad_scale_given_twice_keeps_state():
     ValueError, match=r"grad_scale was given both when building .* grad_scale=2.0"
   ):
     tx.update(make_grads(rng, params), state, params, grad_scale=2.0)
-  with pytest.raises(ValueError, match=r"grad_scale must be > 0, got grad_scale=-2.0"):
+  with pytest.raises(
+    ValueError, match=r"grad_scale must be a finite number > 0, got grad_scale=-2.0"
+  ):
     optax_lamb.lamb(1e-2).update(make_grads(rng, params), state, params, grad_scale=-2.0)
   assert_unchanged(state, snap)
   check_state_still_works(jax.jit(tx.update), state, params, make_grads(rng, params))

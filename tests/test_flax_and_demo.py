@@ -60,14 +60,20 @@ def test_linen_loop_decreases_loss(fresh_rng):
   y = x @ jnp.asarray(fresh_rng.standard_normal((4, 1)), jnp.float32)
   model = linen.Dense(1)
   params = model.init(jax.random.PRNGKey(0), x)
-  tx = optax_lamb.lamb(5e-2)
-  state = tx.init(params)
   loss = lambda p: jnp.mean((model.apply(p, x) - y) ** 2)
   first = float(loss(params))
-  for _ in range(100):
-    updates, state = tx.update(jax.grad(loss)(params), state, params)
-    params = optax.apply_updates(params, updates)
-  assert float(loss(params)) < 0.05 * first
+  final = {}
+  for name, tx in (("ours", optax_lamb.lamb(5e-2)), ("optax", optax.lamb(5e-2))):
+    p, state = params, tx.init(params)
+    for _ in range(100):
+      updates, state = tx.update(jax.grad(loss)(p), state, p)
+      p = optax.apply_updates(p, updates)
+    final[name] = float(loss(p))
+  # as far as optax.lamb gets (which depends on the random problem). At a constant lr both
+  # end up hovering near the optimum, where float32 rounding decides the last digits, so the
+  # comparison is loose here (step by step they agree: test_optax_equivalence.py)
+  assert final["ours"] < 2 * final["optax"] + 1e-6
+  assert final["ours"] < 0.5 * first
 
 
 def test_demo_runs_and_loss_falls():
