@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tree_asserts import assert_unchanged, snapshot
 
 import optax_lamb
 
@@ -32,17 +33,6 @@ def make_params(rng):
 
 def make_grads(rng, params):
   return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
-
-
-def snapshot(tree):
-  return [np.array(x, copy=True) for x in jax.tree.leaves(tree)]
-
-
-def assert_unchanged(tree, snap):
-  leaves = jax.tree.leaves(tree)
-  assert len(leaves) == len(snap)
-  for x, y in zip(leaves, snap, strict=True):
-    np.testing.assert_array_equal(np.asarray(x), y)
 
 
 def check_state_still_works(update, state, params, grads):

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import serialization
+from tree_asserts import assert_unchanged, snapshot
 
 import optax_lamb
 
@@ -184,18 +185,6 @@ CASES = {
     r"state\.master\['w'\] has shape \(3,\) where init\(params\) gives shape \(4,\)",
   ),
 }
-
-
-def snapshot(tree):
-  return [np.array(x, copy=True) for x in jax.tree.leaves(tree)]
-
-
-def assert_unchanged(tree, snap):
-  leaves = jax.tree.leaves(tree)
-  assert len(leaves) == len(snap)
-  for x, y in zip(leaves, snap, strict=True):
-    assert not (isinstance(x, jax.Array) and x.is_deleted())
-    np.testing.assert_array_equal(np.asarray(x), y)
 
 
 def ones_like(params):
