@@ -140,6 +140,7 @@ class RunResult:
   lr: list[float]  # the learning rate of each optimizer step
   phase_ends: list[int]  # samples seen at the end of each phase
   seconds: float
+  test: list[float] | None = None  # test-split loss at each evaluation, when a test set is given
 
   @property
   def final(self) -> float:
@@ -215,6 +216,7 @@ class Trainer:
     train_data: dict[int, MLMBatch],
     held_out: dict[int, MLMBatch],
     *,
+    test: dict[int, MLMBatch] | None = None,
     evals_per_phase: int = 8,
     progress: Callable[[int], None] | None = None,
   ) -> list[RunResult]:
@@ -222,6 +224,7 @@ class Trainer:
 
     ``train_data[seq_len]`` is the stream of examples for that sequence length; every run
     reads it from the start, in order, so every batch size sees the same samples.
+    ``held_out`` (the validation split) and ``test``, when given, are evaluated together.
     Phase i's peak learning rate is ``peak_lrs[j] * phase.peak_lr / phases[0].peak_lr``.
     ``progress(n)`` is called with the samples trained after each segment.
     """
@@ -229,7 +232,7 @@ class Trainer:
     n = len(peak_lrs)
     params = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), self.params0)
     state = None
-    samples, held, train_losses, ratio_rows, lrs, phase_ends = [], [], [], [], [], []
+    samples, held, tested, train_losses, ratio_rows, lrs, phase_ends = [], [], [], [], [], [], []
     seen = 0
     offsets: dict[int, int] = {}
     for i, ph in enumerate(phases):
@@ -276,6 +279,8 @@ class Trainer:
         samples.append(seen)
         train_losses.append(np.asarray(loss))
         held.append(np.asarray(self._eval(params, _to_device(held_out[ph.seq_len]))))
+        if test is not None:
+          tested.append(np.asarray(self._eval(params, _to_device(test[ph.seq_len]))))
         if family == "lamb":
           ratio_rows.append(np.asarray(ratios)[:, k - 1 :: k])
         if progress is not None:
@@ -306,6 +311,7 @@ class Trainer:
           lr=lrs_all[j].tolist(),
           phase_ends=phase_ends,
           seconds=seconds,
+          test=[float(t[j]) for t in tested] if test is not None else None,
         )
       )
     return results

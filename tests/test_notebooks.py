@@ -39,3 +39,15 @@ def test_notebook_runs_in_quick_mode(name, monkeypatch):
     if o.output_type == "error"
   ]
   assert not errors
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "bert_large_batch.ipynb"])
+def test_committed_notebooks_are_executed_with_figures_and_small(name):
+  path = NOTEBOOKS / name
+  assert path.stat().st_size < 2 * 1024 * 1024
+  nb = nbformat.read(path, as_version=4)
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  assert all(c.get("execution_count") is not None for c in code), "run every cell before committing"
+  outputs = [o for c in code for o in c.get("outputs", [])]
+  assert not [o for o in outputs if o.output_type == "error"]
+  assert any("image/png" in o.get("data", {}) for o in outputs)
