@@ -101,7 +101,7 @@ def check_update_args(updates: Any, params: Any, who: str) -> None:
 
 # --- the optimizer state against what init gives for these params -----------------------------
 
-_RESTORE_HINT = (
+RESTORE_HINT = (
   "This looks like a checkpoint restored without a target (orbax and flax.serialization then "
   "give plain dicts, lists and None): restore with the optimizer's state as the target, e.g. "
   "orbax's checkpointer.restore(path, jax.eval_shape(tx.init, params)) or "
@@ -173,7 +173,7 @@ def _compare(got: Any, want: Any, path: tuple) -> None:
       raise _Mismatch(
         path,
         f"is {_describe(got)} where the trust-ratio layout (a static RatioLayout) is expected",
-        _RESTORE_HINT if restored else _OPTIONS_HINT,
+        RESTORE_HINT if restored else _OPTIONS_HINT,
       )
     if got.shapes != want.shapes:
       raise _Mismatch(
@@ -191,7 +191,7 @@ def _compare(got: Any, want: Any, path: tuple) -> None:
         path,
         f"is {_describe(got)} where an array of shape {tuple(want.shape)} and dtype "
         f"{np.dtype(want.dtype)} is expected",
-        _RESTORE_HINT if restored else _OPTIONS_HINT,
+        RESTORE_HINT if restored else _OPTIONS_HINT,
       )
     info = _leaf_info(got)
     if info is None:
@@ -234,7 +234,7 @@ def _compare(got: Any, want: Any, path: tuple) -> None:
     raise _Mismatch(
       path,
       f"is {_describe(got)} where init(params) gives {_describe(want)}",
-      _RESTORE_HINT if restored else _OPTIONS_HINT,
+      RESTORE_HINT if restored else _OPTIONS_HINT,
     )
   got_kids = got_node[1]
   got_keys = [jax.tree_util.keystr((k,)) for k, _ in got_kids]

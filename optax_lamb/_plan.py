@@ -100,13 +100,8 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
   )
   decays, adapts, axes = (treedef.flatten_up_to(t) for t in per_leaf)
   names = _tree.resolve_axis_names(c.axis_name, params)
+  # The prologue has checked the layout against these params (_check_trees.check_state).
   layout = ratio_state.layout
-  shapes = RatioLayout.from_leaves(treedef, treedef.flatten_up_to(params), axes).shapes
-  if shapes != layout.shapes:  # (the treedefs may differ in metadata: flax's nnx.State)
-    raise ValueError(
-      "The trust-ratio state was made for other params or stacked_axes: its ratio shapes are "
-      f"{layout.shapes}, these params need {shapes}"
-    )
   leaves = tuple(
     LeafPlan(bool(d), bool(a), k, n, offset)
     for d, a, k, n, offset in zip(decays, adapts, axes, names, layout.offsets[:-1], strict=True)

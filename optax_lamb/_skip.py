@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _nnx, _tree
+from optax_lamb import _check_args, _check_trees, _math, _nnx, _tree
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -82,9 +82,8 @@ def skip_nonfinite(
     if not isinstance(state, SkipNonFiniteState):
       raise ValueError(
         f"skip_nonfinite: the optimizer state is {type(state).__name__} where "
-        "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected; pass "
-        "the state that this optimizer's init returned (a checkpoint restored without a "
-        "target gives a dict: restore with jax.eval_shape(tx.init, params) as the target)."
+        "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
+        + _check_trees.RESTORE_HINT
       )
     finite = all_finite(updates, axis_name)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
