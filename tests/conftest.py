@@ -1,11 +1,16 @@
-"""Shared jax configuration, set before anything imports jax.
+"""Shared jax configuration (set before anything imports jax), seeds and hypothesis profiles.
 
 Eight host CPU devices for the data-parallel tests (set once, here); float64 is
 enabled so the NumPy references and float64 checks run in double precision
 where a test asks for it (jax arrays default to float32 either way).
+
+Seeds are fixed by default; ``OPTAX_LAMB_TEST_SEED`` explores others
+(`helpers/seeds.py`, tests/README.md). A failed test that drew a seed prints the
+command that replays it.
 """
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -14,11 +19,63 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from helpers import asserts, seeds  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+if seeds.fixed() is not None:  # tests/test_pallas.py reads its own variable
+  os.environ.setdefault("PALLAS_TEST_SEED", str(seeds.fixed()))
+
+_HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                         HealthCheck.data_too_large])  # fmt: skip
+settings.register_profile("fixed", derandomize=True, print_blob=True, **_HYPOTHESIS)
+settings.register_profile("explore", derandomize=False, print_blob=True, **_HYPOTHESIS)
+settings.load_profile("explore" if seeds.exploring() else "fixed")
+
+
+def pytest_generate_tests(metafunc):
+  if "seed" in metafunc.fixturenames and seeds.sweep() is not None:
+    metafunc.parametrize("seed", list(seeds.sweep()), indirect=True, ids=lambda s: f"seed{s}")
 
 
 @pytest.fixture
-def fresh_rng():
-  """A NumPy generator with a seed drawn for this run; the seed is printed on failure."""
-  seed = int(np.random.SeedSequence().entropy % (2**32))
-  print(f"fresh_rng seed: {seed}")
+def seed(request) -> int:
+  """This test's seed (0 unless OPTAX_LAMB_TEST_SEED says otherwise); replayable."""
+  value = request.param if hasattr(request, "param") else seeds.draw()
+  request.node.stash[_SEED] = value
+  return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+  """A NumPy generator seeded with this test's seed."""
   return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fresh_rng(rng) -> np.random.Generator:
+  """tests/test_dispatch.py's name for `rng`, until that file moves."""
+  return rng
+
+_SEED = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def _margins_of_this_test(request):
+  asserts.current_test = request.node.nodeid.split("[")[0]
+  yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  report = yield
+  if report.failed and _SEED in item.stash:
+    command = seeds.replay_command(item.stash[_SEED], re.sub(r"-?seed\d+(?=\])|\[seed\d+\]", "", item.nodeid))
+    report.sections.append(("how to replay", command))
+  return report
+
+
+def pytest_terminal_summary(terminalreporter):
+  if seeds.sweep() is not None and asserts.MARGINS:
+    terminalreporter.section(f"worst margin (|error| / tolerance) over seeds {seeds.sweep()}")
+    for test, margin in sorted(asserts.MARGINS.items()):
+      terminalreporter.write_line(f"{margin:8.3f}  {test}")

@@ -19,11 +19,12 @@ with the ratio 1 when either norm is zero, and global-norm clipping of g_t befor
 the moments when max_grad_norm is given. With grad_scale, g_t is first divided by
 it (a schedule sees the number of calls); with skip_nonfinite a call whose g_t
 holds a NaN or an Inf changes nothing and is counted. Plain dicts of NumPy arrays only: no jax,
-no optax, no code shared with the library.
+no optax, no code shared with the library (ml_dtypes for the narrow moment dtypes).
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 
@@ -76,6 +77,29 @@ class NumpyLamb:
     # times that of the first-moment update. Float32 rounding of u is amplified by it
     # when the decay cancels the Adam step or the new gradient cancels the moment.
     self.ratio_condition = {}
+    # How far a run that stores its moments in store_mu/store_nu may drift from this one
+    # (_storage_relative): per leaf on the params (absolute, summed over the steps), and
+    # relatively on the last step's ratios.
+    self.storage_drift = {}
+    self.storage_ratio_rtol = 0.0
+
+  def _storage_relative(self):
+    """How far, relatively, one step's u and ratio may move when stored moments round differently.
+
+    Two runs that store m (v) rounded to a narrow dtype each round to nearest, so
+    their stored moments may differ by one unit in the last place: eps |m| (eps |v|).
+    An earlier difference decays with b1 (b2) but the next rounding may add one
+    more, so at step t m differs by at most min(t - 1, 1 / (1 - b1)) eps |m|; u =
+    m^ / sqrt(v^) then by that relative amount plus half of v's, and the ratio,
+    whose ||u|| moves by the same relative amount, doubles it for r u.
+    """
+
+    def relative(dtype, b):
+      if dtype is None:
+        return 0.0
+      return min(self.t - 1, 1.0 / (1.0 - b)) * float(ml_dtypes.finfo(dtype).eps)
+
+    return 2.0 * (relative(self.store_mu, self.b1) + 0.5 * relative(self.store_nu, self.b2))
 
   def _layer_ratio(self, x, u):
     """phi(||x||) / ||u|| for one layer, with the zero-norm and clamp rules."""
@@ -116,6 +140,7 @@ class NumpyLamb:
     else:
       bc1 = bc2 = 1.0
     lr, wd = self.lr(step_count), self.wd(step_count)
+    storage_relative = self.storage_ratio_rtol = self._storage_relative()
     new_params = {}
     for k, x in params.items():
       g = grads[k]
@@ -142,6 +167,8 @@ class NumpyLamb:
             condition = max(condition, parts / u_norm * max(1.0, m_condition))
       self.ratio_condition[k] = condition
       self.ratios[k] = ratio
+      largest_step = lr * np.max(np.abs(ratio), initial=0.0) * np.max(np.abs(adam), initial=0.0)
+      self.storage_drift[k] = self.storage_drift.get(k, 0.0) + largest_step * storage_relative
       new_params[k] = x - lr * ratio.reshape(layers_shape + (1,) * (x.ndim - k_axes)) * u
       if self.store_mu is not None:  # u used the unrounded m; the state keeps it rounded
         self.m[k] = self.m[k].astype(self.store_mu).astype(np.float64)

@@ -1,0 +1,101 @@
+"""Building lamb for one implementation with the tests' configuration: the one place that knows how.
+
+`IMPLEMENTATIONS` names the configurations the tests run:
+
+- ``"xla"``: the fused XLA path as shipped;
+- ``"xla-recompute-u"``: the XLA path recomputing u in its second pass for every
+  leaf, however small (shipped only for big leaves);
+- ``"pallas"``: the Pallas kernels in interpret mode with tiny blocks (128
+  elements, 3 leaves per launch, pass 2 by XLA from 256 elements), so that chunk
+  tails, stacked slices, several launches and both kinds of pass 2 run on the
+  small option tree; a fallback to the XLA path is an error;
+- ``"pallas-tiny-blocks"``: the same with 16-element blocks and 2 leaves per
+  launch, for the property tests' trees of a few elements;
+- ``"reference"``: the plain chain of stages.
+
+Today the Pallas launch configuration and the XLA path's size limit are set by
+a context around the step's tracing, so `lamb_for` wraps ``update`` (and its
+``fused_apply``) to trace inside it; once lamb takes a backend object
+(``implementation=PallasBackend(...)``) only `_CONFIGURATIONS` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable
+
+import optax
+
+import optax_lamb
+from optax_lamb.backends import xla as _xla
+from optax_lamb.backends.pallas import chunks as _chunks
+
+
+@contextlib.contextmanager
+def _recompute_u_everywhere():
+  saved = _xla._MATERIALISE_U_MAX_SIZE
+  _xla._MATERIALISE_U_MAX_SIZE = 0
+  try:
+    yield
+  finally:
+    _xla._MATERIALISE_U_MAX_SIZE = saved
+
+
+@contextlib.contextmanager
+def _pallas_interpreted(block_sizes):
+  with _chunks.options(block_sizes=block_sizes, interpret=True), warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*XLA path")  # the kernels ran, no fallback
+    warnings.filterwarnings("ignore", message=".*interpret mode")
+    yield
+
+
+PALLAS_BLOCKS = _chunks.BlockSizes(
+  block=128, max_leaves_per_call=3, num_warps=4, sum_block=16, xla_pass2_min_size=256
+)
+TINY_BLOCKS = _chunks.BlockSizes(
+  block=16, max_leaves_per_call=2, num_warps=4, sum_block=16, xla_pass2_min_size=48
+)
+
+# name: (lamb's implementation argument, the context its steps are traced in)
+_CONFIGURATIONS = {
+  "xla": ("xla", contextlib.nullcontext),
+  "xla-recompute-u": ("xla", _recompute_u_everywhere),
+  "pallas": ("pallas", functools.partial(_pallas_interpreted, PALLAS_BLOCKS)),
+  "pallas-tiny-blocks": ("pallas", functools.partial(_pallas_interpreted, TINY_BLOCKS)),
+  "reference": ("reference", contextlib.nullcontext),
+}
+IMPLEMENTATIONS = tuple(_CONFIGURATIONS)
+
+
+def _traced_in(context: Callable, fn: Callable) -> Callable:
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with context():
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+def lamb_for(implementation: str) -> Callable[..., optax.GradientTransformationExtraArgs]:
+  """``optax_lamb.lamb`` (same arguments) for one of `IMPLEMENTATIONS`.
+
+  Also a factory for ``optax.inject_hyperparams``.
+  """
+  if implementation not in _CONFIGURATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  name, context = _CONFIGURATIONS[implementation]
+
+  @functools.wraps(optax_lamb.lamb)
+  def make(*args, **kwargs) -> optax.GradientTransformationExtraArgs:
+    tx = optax_lamb.lamb(*args, implementation=name, **kwargs)
+    if context is contextlib.nullcontext:
+      return tx
+    update = _traced_in(context, tx.update)
+    fused = getattr(tx.update, "fused_apply", None)
+    if fused is not None:
+      update.fused_apply = _traced_in(context, fused)
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+  return make
