@@ -69,25 +69,30 @@ def assert_trees_close(a, b, *, rtol: float = IMPLEMENTATION_RTOL, atol: float =
   chex.assert_trees_all_close(as_float64(a), as_float64(b), rtol=rtol, atol=atol)
 
 
-def assert_close_to_reference(got, want, *, rtol: float, scale: float, err_msg: str = "") -> None:
-  """A float32 result against float64: rtol relative, and rtol times the leaf's scale absolute."""
+def assert_close_to_reference(got, want, *, rtol: float, atol, err_msg: str = "") -> None:
+  """|got - want| <= atol + rtol |want| elementwise (atol a number or an array), in float64."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  atol = rtol * scale
-  record_margin(np.abs(got - want), atol + rtol * np.abs(want))
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=err_msg)
+  _assert_within(got, want, atol + rtol * np.abs(want), f"{err_msg} (rtol {rtol:.3g})")
+
+
+def _assert_within(got, want, tolerance, what: str) -> None:
+  error = np.abs(got - want)
+  record_margin(error, tolerance)
+  bad = ~(error <= tolerance)  # NaN fails too
+  if np.any(bad):
+    worst = np.unravel_index(np.argmax(np.where(bad, error - tolerance, -np.inf)), error.shape)
+    raise AssertionError(
+      f"{what}: {int(np.sum(bad))} of {error.size} elements out of tolerance; worst at "
+      f"{worst}: {got[worst]!r} vs {want[worst]!r}, |error| {error[worst]:.3g} > "
+      f"{np.broadcast_to(tolerance, error.shape)[worst]:.3g}"
+    )
 
 
 def assert_within_ulps(got, want, dtype, ulps: float = 1, err_msg: str = "") -> None:
   """Elementwise |got - want| <= `ulps` units in the last place of `dtype` at the larger value."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   tolerance = ulps * ulp(np.maximum(np.abs(got), np.abs(want)), dtype)
-  error = np.abs(got - want)
-  record_margin(error, tolerance)
-  worst = np.unravel_index(np.argmax(error - tolerance), error.shape) if error.size else ()
-  assert np.all(error <= tolerance), (
-    f"{err_msg}: {int(np.sum(error > tolerance))} of {error.size} elements differ by more than "
-    f"{ulps} {jnp.dtype(dtype).name} ulp; worst at {worst}: {got[worst]!r} vs {want[worst]!r}"
-  )
+  _assert_within(got, want, tolerance, f"{err_msg} ({ulps} {jnp.dtype(dtype).name} ulp)")
 
 
 def assert_trees_within_ulps(got, want, ulps: float = 1) -> None:
@@ -100,8 +105,8 @@ def assert_trees_within_ulps(got, want, ulps: float = 1) -> None:
     if not jnp.issubdtype(a.dtype, jnp.floating):
       np.testing.assert_array_equal(a, b, err_msg=where)
     elif jnp.finfo(a.dtype).bits >= 32:  # plus one rounding at the leaf's scale, for cancellations
-      scale = FLOAT32_EPS / IMPLEMENTATION_RTOL * float(np.max(np.abs(b), initial=0.0))
-      assert_close_to_reference(a, b, rtol=IMPLEMENTATION_RTOL, scale=scale, err_msg=where)
+      atol = FLOAT32_EPS * float(np.max(np.abs(np.asarray(b, np.float64)), initial=0.0))
+      assert_close_to_reference(a, b, rtol=IMPLEMENTATION_RTOL, atol=atol, err_msg=where)
     else:
       assert_within_ulps(a, b, a.dtype, ulps, err_msg=where)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -98,4 +99,8 @@ def lamb_for(implementation: str) -> Callable[..., optax.GradientTransformationE
       update.fused_apply = _traced_in(context, fused)
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
+  signature = inspect.signature(optax_lamb.lamb)  # less `implementation`: this factory sets it
+  make.__signature__ = signature.replace(
+    parameters=[p for p in signature.parameters.values() if p.name != "implementation"]
+  )
   return make

@@ -82,6 +82,10 @@ class NumpyLamb:
     # relatively on the last step's ratios.
     self.storage_drift = {}
     self.storage_ratio_rtol = 0.0
+    # The relative error of this step's u (so of r u) in a run that holds b1 and b2 in
+    # float32: 1 - b^t moves by |float32(b)^t - b^t| / (1 - b^t), large for b2 near 1.
+    self.float32_constants_rtol = 0.0
+    self.m_terms = {}  # per leaf, elementwise: b1 |m| + (1 - b1) |g| of the last step
 
   def _storage_relative(self):
     """How far, relatively, one step's u and ratio may move when stored moments round differently.
@@ -100,6 +104,15 @@ class NumpyLamb:
       return min(self.t - 1, 1.0 / (1.0 - b)) * float(ml_dtypes.finfo(dtype).eps)
 
     return 2.0 * (relative(self.store_mu, self.b1) + 0.5 * relative(self.store_nu, self.b2))
+
+  def _float32_constants_rtol(self):
+    if not self.bias_correction:
+      return 0.0
+
+    def relative(b):
+      return abs(float(np.float32(b)) ** self.t - b**self.t) / (1 - b**self.t)
+
+    return relative(self.b1) + 0.5 * relative(self.b2)
 
   def _layer_ratio(self, x, u):
     """phi(||x||) / ||u|| for one layer, with the zero-norm and clamp rules."""
@@ -141,10 +154,12 @@ class NumpyLamb:
       bc1 = bc2 = 1.0
     lr, wd = self.lr(step_count), self.wd(step_count)
     storage_relative = self.storage_ratio_rtol = self._storage_relative()
+    self.float32_constants_rtol = self._float32_constants_rtol()
     new_params = {}
     for k, x in params.items():
       g = grads[k]
       m_parts = self.b1 * np.abs(self.m[k]) + (1 - self.b1) * np.abs(g)
+      self.m_terms[k] = m_parts  # m's float32 rounding is relative to these, not to |m|
       self.m[k] = self.b1 * self.m[k] + (1 - self.b1) * g
       self.v[k] = self.b2 * self.v[k] + (1 - self.b2) * g * g
       m_hat, v_hat = self.m[k] / bc1, self.v[k] / bc2

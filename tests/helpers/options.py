@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+from hypothesis import strategies as st
 from helpers.lamb_reference import NumpyLamb
 from helpers.implementations import lamb_for
 from helpers.trees import by_path, make_params, paths
@@ -62,7 +63,8 @@ ADAPT_BY_NAME = {name: ADAPT.get(name, True) for name in paths(make_params())}
 lr_schedule = optax.linear_schedule(LR, LR / 10, STEPS)
 wd_schedule = optax.linear_schedule(0.1, 0.01, STEPS)
 
-# Per option: the values the property tests draw (the first is lamb's default or "off").
+# Per option (or pair of options): the values the property tests draw, and the ranges of
+# those drawn as any float.
 VALUES = {
   "learning_rate": [1e-2, 0.1, optax.linear_schedule(0.1, 0.01, 3)],
   "weight_decay": [0.0, 0.01, 0.3, optax.linear_schedule(0.3, 0.0, 3)],
@@ -73,12 +75,24 @@ VALUES = {
   "max_trust_ratio": [None, 2.0, 10.0],
   "max_grad_norm": [None, 0.5, 100.0],
   "bias_correction": [True, False],
-  "b1_b2": [(0.9, 0.999), (0.8, 0.99)],
-  "eps_eps_root": [(1e-6, 0.0), (1e-3, 1e-8)],
+  ("b1", "b2"): [(0.9, 0.999), (0.8, 0.99)],
+  ("eps", "eps_root"): [(1e-6, 0.0), (1e-3, 1e-8)],
   "mu_dtype": [None, jnp.float32, jnp.bfloat16],
   "nu_dtype": [None, jnp.float32],
   "master_weights": [False, True],
 }
+RANGES = {"learning_rate": (1e-4, 1e-1), "b1": (0.0, 0.99), "b2": (0.9, 0.9999)}
+
+
+@st.composite
+def lamb_options(draw, names=tuple(VALUES)) -> dict:
+  """lamb keyword arguments: each option of `names` at one of its `VALUES`."""
+  kwargs = {}
+  for name in names:
+    value = draw(st.sampled_from(VALUES[name]))
+    kwargs.update(zip(name, value) if isinstance(name, tuple) else [(name, value)])
+  return kwargs
+
 
 CASES = {
   "defaults": Case({}, {}),
