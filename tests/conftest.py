@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 if seeds.fixed() is not None:  # tests/test_pallas.py reads its own variable
   os.environ.setdefault("PALLAS_TEST_SEED", str(seeds.fixed()))
 
-_HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                         HealthCheck.data_too_large])  # fmt: skip
+# differing_executors: the conformance suite runs one property test per implementation class.
+_HYPOTHESIS = dict(deadline=None, suppress_health_check=[
+  HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors])  # fmt: skip
 settings.register_profile("fixed", derandomize=True, print_blob=True, **_HYPOTHESIS)
 settings.register_profile("explore", derandomize=False, print_blob=True, **_HYPOTHESIS)
 settings.load_profile("explore" if seeds.exploring() else "fixed")

@@ -56,17 +56,20 @@ def assert_trees_equal(a, b) -> None:
   chex.assert_trees_all_equal(a, b, strict=True)
 
 
-def assert_trees_close(a, b, *, rtol: float = IMPLEMENTATION_RTOL, atol: float = 0.0) -> None:
-  """Same structure and leaf dtypes; values within |a - b| <= atol + rtol |b| (in float64)."""
+def assert_trees_close(a, b, *, rtol: float = IMPLEMENTATION_RTOL, atol=None) -> None:
+  """Same structure and leaf dtypes; |a - b| <= atol + rtol |b| (in float64).
+
+  `atol` defaults to one float32 rounding at the leaf's largest value: an element
+  that cancels to near zero keeps the rounding of its leaf-sized terms.
+  """
+  chex.assert_trees_all_equal_structs(a, b)
   chex.assert_trees_all_equal_dtypes(a, b)
   chex.assert_trees_all_equal_shapes(a, b)
-
-  def check(x, y):
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    record_margin(np.abs(x - y), atol + rtol * np.abs(y))
-
-  jax.tree.map(check, a, b)
-  chex.assert_trees_all_close(as_float64(a), as_float64(b), rtol=rtol, atol=atol)
+  paths = jax.tree_util.tree_flatten_with_path(a)[0]
+  for (path, x), y in zip(paths, jax.tree.leaves(b), strict=True):
+    y = np.asarray(y, np.float64)
+    floor = FLOAT32_EPS * float(np.max(np.abs(y), initial=0.0)) if atol is None else atol
+    assert_close_to_reference(x, y, rtol=rtol, atol=floor, err_msg=jax.tree_util.keystr(path))
 
 
 def assert_close_to_reference(got, want, *, rtol: float, atol, err_msg: str = "") -> None:

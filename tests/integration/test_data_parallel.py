@@ -1,6 +1,6 @@
 """LAMB under data parallelism on the 8 host CPU devices of conftest.
 
-Each mode trains the MLP of `_dp_problem` for a few steps on the same global
+Each mode trains the MLP of `dp_problem` for a few steps on the same global
 batches and must end with the parameters of the single-device run:
 
 1. ``jax.pmap``: replicated params with ``lax.pmean``'d gradients, and
@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 
-import _dp_problem as prob
+import dp_problem as prob
 import jax
 import numpy as np
 import optax

@@ -1,8 +1,8 @@
 """Multi-process data parallelism: two processes on 127.0.0.1, two CPU devices each.
 
-The test starts two copies of `_mp_worker.py` that join one jax.distributed
+The test starts two copies of `mp_worker.py` that join one jax.distributed
 cluster (coordinator on a free local port, CPU collectives over gloo), train
-the `_dp_problem` MLP on the cluster's 4 devices (jit with NamedSharding, and
+the `dp_problem` MLP on the cluster's 4 devices (jit with NamedSharding, and
 shard_map FSDP with a per-leaf axis_name) and save their final parameters.
 Both processes must end with the single-process, single-device parameters.
 Children are bounded in time and killed if anything goes wrong.
@@ -17,13 +17,13 @@ import subprocess
 import sys
 import time
 
-import _dp_problem as prob
+import dp_problem as prob
 import jax
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
 TIMEOUT_S = 150
@@ -111,7 +111,7 @@ def run_cluster(
 
 def test_two_processes_match_single_device(tmp_path):
   outs = [tmp_path / f"params{pid}.npz" for pid in range(NUM_PROCESSES)]
-  run_cluster(tmp_path, lambda pid: [os.path.join(HERE, "_mp_worker.py"), "--out", str(outs[pid])])
+  run_cluster(tmp_path, lambda pid: [os.path.join(HERE, "mp_worker.py"), "--out", str(outs[pid])])
   want, _ = prob.reference_run()
   for pid, out in enumerate(outs):
     got = dict(np.load(out))
@@ -153,7 +153,7 @@ def test_a_missing_peer_times_out_and_is_killed(tmp_path):
   with pytest.raises(pytest.fail.Exception, match="timed out"):
     run_cluster(
       tmp_path,
-      lambda pid: [os.path.join(HERE, "_mp_worker.py"), "--out", str(tmp_path / "x.npz")],
+      lambda pid: [os.path.join(HERE, "mp_worker.py"), "--out", str(tmp_path / "x.npz")],
       timeout_s=5,
       launch=[0],
       procs=procs,

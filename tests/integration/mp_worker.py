@@ -1,7 +1,7 @@
 """One process of the multi-process test (tests/test_multiprocess.py starts two).
 
 Joins a jax.distributed cluster on 127.0.0.1 (CPU collectives over gloo),
-trains the `_dp_problem` MLP over all the cluster's devices in two ways and
+trains the `dp_problem` MLP over all the cluster's devices in two ways and
 saves the final parameters, gathered to every process, to ``--out``:
 
 - ``jit``: ``jax.jit`` with ``NamedSharding``, params, moments and batch sharded
@@ -26,7 +26,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _dp_problem as prob  # noqa: E402
+import dp_problem as prob  # noqa: E402
 
 
 def global_array(value, mesh, spec):

@@ -7,6 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.asserts import FEW_ROUNDINGS, assert_trees_close
+from helpers.options import LR, STEPS
+from helpers.trees import make_grads, make_params
 
 import optax_lamb
 
@@ -35,10 +38,6 @@ def run(tx, params, grads_list, apply=True):
   return params, state, updates_seen
 
 
-def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
-
-
 @pytest.mark.parametrize(
   "kwargs",
   [
@@ -53,17 +52,17 @@ def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
     ),
   ],
 )
-def test_lamb_equals_optax_lamb(kwargs, fresh_rng):
-  params = as_jax(random_tree(fresh_rng))
-  grads = [as_jax(random_tree(fresh_rng)) for _ in range(10)]
+def test_lamb_equals_optax_lamb(kwargs, rng):
+  params = as_jax(random_tree(rng))
+  grads = [as_jax(random_tree(rng)) for _ in range(10)]
   ours, _, _ = run(optax_lamb.lamb(**kwargs), params, grads)
   theirs, _, _ = run(optax.lamb(**kwargs), params, grads)
-  assert_trees_close(ours, theirs, rtol=2e-6, atol=1e-6)
+  assert_trees_close(ours, theirs, rtol=2 * FEW_ROUNDINGS)
 
 
-def test_adam_state_interchanges_with_optax(fresh_rng):
-  params = as_jax(random_tree(fresh_rng))
-  grads = [as_jax(random_tree(fresh_rng)) for _ in range(4)]
+def test_adam_state_interchanges_with_optax(rng):
+  params = as_jax(random_tree(rng))
+  grads = [as_jax(random_tree(rng)) for _ in range(4)]
   ours, theirs = optax_lamb.scale_by_adam(), optax.scale_by_adam(eps=1e-6)
   _, state, _ = run(theirs, params, grads[:2], apply=False)
   assert isinstance(state, optax.ScaleByAdamState)
@@ -73,40 +72,40 @@ def test_adam_state_interchanges_with_optax(fresh_rng):
   ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
   u_ours, s_ours = ours_update(grads[2], state, params)
   u_theirs, s_theirs = theirs_update(grads[2], state, params)
-  assert_trees_close(u_ours, u_theirs)
+  assert_trees_close(u_ours, u_theirs, rtol=FEW_ROUNDINGS)
   assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
   u2_theirs, _ = theirs_update(grads[3], s_ours, params)
   u2_ours, _ = ours_update(grads[3], s_ours, params)
-  assert_trees_close(u2_ours, u2_theirs)
+  assert_trees_close(u2_ours, u2_theirs, rtol=FEW_ROUNDINGS)
 
 
 @pytest.mark.parametrize(
   "kwargs", [{}, dict(min_norm=1e-3), dict(trust_coefficient=0.02), dict(eps=1e-2)]
 )
-def test_scale_by_trust_ratio_equals_optax(kwargs, fresh_rng):
-  params = as_jax(random_tree(fresh_rng))
-  updates = as_jax(random_tree(fresh_rng))
+def test_scale_by_trust_ratio_equals_optax(kwargs, rng):
+  params = as_jax(random_tree(rng))
+  updates = as_jax(random_tree(rng))
   ours = optax_lamb.scale_by_trust_ratio(**kwargs)
   theirs = optax.scale_by_trust_ratio(**kwargs)
   u_ours, _ = ours.update(updates, ours.init(params), params)
   u_theirs, _ = theirs.update(updates, theirs.init(params), params)
-  assert_trees_close(u_ours, u_theirs)
+  assert_trees_close(u_ours, u_theirs, rtol=FEW_ROUNDINGS)
 
 
-def test_add_decayed_weights_equals_optax(fresh_rng):
-  params = as_jax(random_tree(fresh_rng))
-  updates = as_jax(random_tree(fresh_rng))
+def test_add_decayed_weights_equals_optax(rng):
+  params = as_jax(random_tree(rng))
+  updates = as_jax(random_tree(rng))
   mask = jax.tree.map(lambda x: x.ndim > 1, params)
   for m in (None, mask):
     ours = optax_lamb.add_decayed_weights(0.3, m)
     theirs = optax.add_decayed_weights(0.3, m)
     u_ours, _ = ours.update(updates, ours.init(params), params)
     u_theirs, _ = theirs.update(updates, theirs.init(params), params)
-    assert_trees_close(u_ours, u_theirs)
+    assert_trees_close(u_ours, u_theirs, rtol=FEW_ROUNDINGS)
 
 
-def test_weight_decay_schedule_follows_step_count(fresh_rng):
-  params = as_jax(random_tree(fresh_rng))
+def test_weight_decay_schedule_follows_step_count(rng):
+  params = as_jax(random_tree(rng))
   zeros = jax.tree.map(jnp.zeros_like, params)
   schedule = optax.linear_schedule(1.0, 0.0, 4)
   tx = optax_lamb.add_decayed_weights(schedule)
@@ -114,14 +113,23 @@ def test_weight_decay_schedule_follows_step_count(fresh_rng):
   for step in range(5):
     updates, state = tx.update(zeros, state, params)
     expected = jax.tree.map(lambda p, s=step: schedule(s) * p, params)
-    assert_trees_close(updates, expected)
+    assert_trees_close(updates, expected, rtol=FEW_ROUNDINGS)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e4])
-def test_clip_by_global_norm_equals_optax(max_norm, fresh_rng):
-  updates = as_jax(random_tree(fresh_rng))
+def test_clip_by_global_norm_equals_optax(max_norm, rng):
+  updates = as_jax(random_tree(rng))
   ours = optax_lamb.clip_by_global_norm(max_norm)
   theirs = optax.clip_by_global_norm(max_norm)
   u_ours, _ = ours.update(updates, ours.init(updates))
   u_theirs, _ = theirs.update(updates, theirs.init(updates))
-  assert_trees_close(u_ours, u_theirs)
+  assert_trees_close(u_ours, u_theirs, rtol=FEW_ROUNDINGS)
+
+
+def test_lamb_on_the_option_tree_equals_optax_lamb():
+  """The option tree (a zero leaf, a scalar, an empty leaf, stacked leaves), ten steps."""
+  params = make_params()
+  grads = [make_grads(params, t) for t in range(STEPS)]
+  ours, _, _ = run(optax_lamb.lamb(LR, weight_decay=0.01), params, grads)
+  theirs, _, _ = run(optax.lamb(LR, weight_decay=0.01), params, grads)
+  assert_trees_close(ours, theirs)
