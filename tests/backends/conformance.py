@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import runs
 from helpers import asserts, fast_compile, seeds
 from helpers.implementations import lamb_for
 from helpers.options import CASES, LR, STEPS, build, lamb_options, reference
 from helpers.trees import by_path, make_grads, make_params, paths
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import optax_lamb
 
@@ -278,11 +278,11 @@ class Conformance:
   def test_schedules_and_injected_hyperparams_do_not_recompile(self, seed):
     params = make_params(seed)
     grads = make_grads(params, seed + 1)
-    tx = build(CASES["schedules"].lamb, self.IMPLEMENTATION)
+    scheduled = build(CASES["schedules"].lamb, self.IMPLEMENTATION)
     injected = optax.inject_hyperparams(lamb_for(self.IMPLEMENTATION))(
       learning_rate=LR, weight_decay=0.01
     )
-    for tx, values in ((tx, (None,) * 3), (injected, (1e-2, 3e-3, 1e-3))):
+    for tx, values in ((scheduled, (None,) * 3), (injected, (1e-2, 3e-3, 1e-3))):
 
       def update_then_apply(p, s, g, tx=tx):
         return runs.update_then_apply(tx, p, s, g)
