@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
-from hypothesis import strategies as st
-from helpers.lamb_reference import NumpyLamb
 from helpers.implementations import lamb_for
+from helpers.lamb_reference import NumpyLamb
 from helpers.trees import by_path, make_params, paths
-
+from hypothesis import strategies as st
 
 LR = 1e-2
 STEPS = 10

@@ -1,68 +1,35 @@
-"""bfloat16/float16 params: float32 moments, float32 master weights, float32 norms."""
+"""with_master_weights (lamb(master_weights=True)), and float16 params near the end of its range.
+
+Low-precision params against the other implementations and the float64 LAMB:
+tests/backends/conformance.py.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from lamb_reference import NumpyLamb
+from helpers.asserts import ulp
+from helpers.lamb_reference import NumpyLamb
+from helpers.trees import random_like, random_tree
 
 import optax_lamb
 
 LOW = [jnp.bfloat16, jnp.float16]
-MANTISSA_BITS = {jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.float16): 11}
+SHAPES = {"w": (32, 16), "b": (16,)}
 
 
 def f64(x):
   return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-def ulp(x, dtype):
-  """Spacing of `dtype` at |x| (x float64), subnormals included."""
-  info = jnp.finfo(dtype)
-  exp = np.floor(np.log2(np.maximum(np.abs(x), float(info.tiny))))
-  return 2.0 ** (exp - (MANTISSA_BITS[jnp.dtype(dtype)] - 1))
-
-
-def random_params(rng, dtype, shapes=None):
-  shapes = shapes or {"w": (32, 16), "b": (16,)}
-  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
-
-
-def random_grads(rng, params, scale=1.0):
-  return {k: jnp.asarray(scale * rng.normal(size=p.shape), p.dtype) for k, p in params.items()}
+def random_params(rng, dtype):
+  return random_tree(rng, SHAPES, dtype)
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_low_precision_params_with_float32_moments(dtype):
-  rng = np.random.default_rng()
-  params = random_params(rng, dtype)
-  tx = optax_lamb.lamb(1e-2, weight_decay=0.01, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
-  state = tx.init(params)
-  adam = state[1]
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((adam.mu, adam.nu)))
-  ref = NumpyLamb(1e-2, weight_decay=0.01)
-  step = jax.jit(tx.update)
-  rel = 2.0 ** -MANTISSA_BITS[jnp.dtype(dtype)]
-  for _ in range(4):
-    grads = random_grads(rng, params)
-    updates, state = step(grads, state, params)
-    expected = ref.step({k: f64(v) for k, v in params.items()}, grads)
-    for k in params:
-      assert updates[k].dtype == dtype
-      want = expected[k] - f64(params[k])
-      # One rounding of the float32 update to the low dtype, plus float32 error.
-      np.testing.assert_allclose(f64(updates[k]), want, rtol=rel + 1e-5, atol=1e-7)
-      np.testing.assert_allclose(f64(state[1].mu[k]), ref.m[k], rtol=2e-6, atol=1e-7)
-      np.testing.assert_allclose(f64(state[1].nu[k]), ref.v[k], rtol=2e-6, atol=1e-9)
-    params = optax.apply_updates(params, updates)
-    assert all(p.dtype == dtype for p in jax.tree.leaves(params))
-
-
-@pytest.mark.parametrize("dtype", LOW)
-def test_master_weights_run_float32_lamb_on_the_master(dtype):
+def test_master_weights_run_float32_lamb_on_the_master(dtype, rng):
   """The master follows a plain float32 LAMB run fed the same gradients; ratios come from it."""
-  rng = np.random.default_rng()
   params = random_params(rng, dtype)
   kw = dict(weight_decay=0.01, max_grad_norm=1.0, min_trust_ratio=0.01, max_trust_ratio=10.0)
   tx = optax_lamb.lamb(1e-2, master_weights=True, **kw)
@@ -73,7 +40,7 @@ def test_master_weights_run_float32_lamb_on_the_master(dtype):
   assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(master))
   step, step32 = jax.jit(tx.update), jax.jit(tx32.update)
   for _ in range(6):
-    grads = random_grads(rng, params)
+    grads = random_like(rng, params)
     updates, state = step(grads, state, params)
     assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
     params = optax.apply_updates(params, updates)
@@ -91,7 +58,7 @@ def test_master_weights_run_float32_lamb_on_the_master(dtype):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_apply_updates_gives_the_rounded_master(dtype):
+def test_apply_updates_gives_the_rounded_master(dtype, rng):
   """optax.apply_updates(params, updates) == lowp(master) wherever lowp(master) - p is exact.
 
   Elsewhere (an element that shrinks by more than the low dtype's precision in one
@@ -99,14 +66,13 @@ def test_apply_updates_gives_the_rounded_master(dtype):
   then within one ulp, and the next step starts again from the master, so the
   error never grows.
   """
-  rng = np.random.default_rng()
   params = random_params(rng, dtype)
   tx = optax_lamb.lamb(1e-2, weight_decay=0.01, master_weights=True)
   state = tx.init(params)
   step = jax.jit(tx.update)
   mismatched = total = 0
   for _ in range(30):
-    updates, state = step(random_grads(rng, params), state, params)
+    updates, state = step(random_like(rng, params), state, params)
     new = optax.apply_updates(params, updates)
     for k in params:
       p, got = f64(params[k]), f64(new[k])
@@ -127,23 +93,21 @@ def test_apply_updates_gives_the_rounded_master(dtype):
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_apply_updates_bit_exact_when_no_element_halves(dtype):
+def test_apply_updates_bit_exact_when_no_element_halves(dtype, rng):
   """Params in [1, 1.9] with small steps: every element stays within a factor 2, all exact."""
-  rng = np.random.default_rng()
   params = {"w": jnp.asarray(rng.uniform(1.0, 1.9, size=(64, 8)), dtype)}
   tx = optax_lamb.lamb(1e-3, master_weights=True)
   state = tx.init(params)
   step = jax.jit(tx.update)
   for _ in range(40):
-    updates, state = step(random_grads(rng, params), state, params)
+    updates, state = step(random_like(rng, params), state, params)
     params = optax.apply_updates(params, updates)
     rounded = optax_lamb.master_weights(state)["w"].astype(dtype)
     np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(rounded))
 
 
-def test_small_steps_accumulate_in_the_master():
+def test_small_steps_accumulate_in_the_master(rng):
   """A step below half a bfloat16 ulp is lost without master weights, kept with them."""
-  rng = np.random.default_rng()
   params = {"w": jnp.ones((16,), jnp.bfloat16) + jnp.asarray(rng.uniform(0, 0.5, 16), jnp.bfloat16)}
   lr = 1e-4  # |step| = lr * ||p|| / sqrt(16) < 2^-9, half an ulp of bfloat16 in [1, 2)
   plain, master = optax_lamb.lamb(lr), optax_lamb.lamb(lr, master_weights=True)
@@ -173,9 +137,8 @@ def test_small_steps_accumulate_in_the_master():
   ],
   ids=["f32-moments", "master", "f32-nu-clip"],
 )
-def test_float16_no_overflow(options):
+def test_float16_no_overflow(options, rng):
   """float16 params of norm > 65504 and gradients near float16's max stay finite and correct."""
-  rng = np.random.default_rng()
   params = {
     "big": jnp.asarray(rng.uniform(3000, 4000, size=(1024,)), jnp.float16),  # norm ~ 1.1e5
     "small": jnp.asarray(rng.normal(size=(8,)), jnp.float16),
@@ -218,8 +181,7 @@ def test_float16_no_overflow(options):
   assert all(np.all(np.isfinite(f64(x))) for x in jax.tree.leaves(state))
 
 
-def test_mixed_dtype_tree_with_master_weights():
-  rng = np.random.default_rng()
+def test_mixed_dtype_tree_with_master_weights(rng):
   params = {
     "a": jnp.asarray(rng.normal(size=(5, 3)), jnp.bfloat16),
     "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
@@ -227,7 +189,20 @@ def test_mixed_dtype_tree_with_master_weights():
   }
   tx = optax_lamb.lamb(1e-2, master_weights=True, skip_nonfinite=True)
   state = tx.init(params)
-  updates, state = jax.jit(tx.update)(random_grads(rng, params), state, params)
+  updates, state = jax.jit(tx.update)(random_like(rng, params), state, params)
   for k in params:
     assert updates[k].dtype == params[k].dtype
     assert optax_lamb.master_weights(state)[k].dtype == jnp.float32
+
+
+def test_float16_leaf_with_norm_above_65504_has_a_finite_ratio():
+  # ||p|| = 1000 * sqrt(10000) = 1e5 > float16 max: optax.lamb gives inf here (jax issue 39899).
+  params = {"w": jnp.full((100, 100), 1000.0, jnp.float16)}
+  grads = {"w": jnp.ones((100, 100), jnp.float16)}
+  tx = optax_lamb.lamb(1e-3, nu_dtype=jnp.float32)
+  updates, state = tx.update(grads, tx.init(params), params)
+  ratio = optax_lamb.trust_ratios(state)["w"]
+  # u = 1 everywhere at step 1, so ||u|| = 100 and r = 1e5 / 100.
+  np.testing.assert_allclose(ratio, 1000.0, rtol=1e-3)
+  np.testing.assert_allclose(np.asarray(updates["w"], np.float32), -1.0, rtol=1e-2)
+  assert updates["w"].dtype == jnp.float16

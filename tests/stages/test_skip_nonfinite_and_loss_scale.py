@@ -1,12 +1,16 @@
-"""Non-finite gradients and loss scaling: skip_nonfinite, grad_scale, MultiSteps, jmp."""
+"""The skip_nonfinite and unscale_gradients stages: non-finite gradients and loss scaling.
+
+With lamb, MultiSteps, scan, jmp's dynamic loss scale and sharded leaves.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from lamb_reference import NumpyLamb
-from tree_asserts import assert_trees_equal
+from helpers.asserts import FEW_ROUNDINGS, assert_trees_close, assert_trees_equal
+from helpers.lamb_reference import NumpyLamb
+from helpers.trees import random_tree
 
 import optax_lamb
 
@@ -14,11 +18,11 @@ SHAPES = {"w": (4, 3), "b": (3,), "s": ()}
 
 
 def make_params(rng, dtype=np.float32):
-  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
+  return random_tree(rng, SHAPES, dtype)
 
 
 def make_grads(rng, dtype=np.float32, scale=1.0):
-  return {k: jnp.asarray(scale * rng.normal(size=s), dtype) for k, s in SHAPES.items()}
+  return random_tree(rng, SHAPES, dtype, scale)
 
 
 def poison(grads, rng, value):
@@ -39,8 +43,7 @@ def run(tx, params, grads_seq, **update_kwargs):
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_bad_step_changes_nothing(value):
-  rng = np.random.default_rng()
+def test_bad_step_changes_nothing(value, rng):
   params = make_params(rng)
   tx = optax_lamb.lamb(1e-2, weight_decay=0.01, max_grad_norm=1.0, skip_nonfinite=True)
   state = tx.init(params)
@@ -58,9 +61,8 @@ def test_bad_step_changes_nothing(value):
   assert_trees_equal(optax.apply_updates(params, updates), params)
 
 
-def test_skipped_steps_are_as_if_absent():
+def test_skipped_steps_are_as_if_absent(rng):
   """A run with bad steps interleaved ends bit-identical to the run without them."""
-  rng = np.random.default_rng()
   params = make_params(rng)
   good = [make_grads(rng) for _ in range(8)]
   bad_at = {2, 3, 6}
@@ -76,8 +78,7 @@ def test_skipped_steps_are_as_if_absent():
   assert int(optax_lamb.skip_counts(s_mixed).consecutive) == 0
 
 
-def test_consecutive_counter_and_total():
-  rng = np.random.default_rng()
+def test_consecutive_counter_and_total(rng):
   params = make_params(rng)
   tx = optax_lamb.lamb(1e-2, skip_nonfinite=True)
   state = tx.init(params)
@@ -94,9 +95,8 @@ def test_consecutive_counter_and_total():
     assert int(state.inner_state[1].count) == pattern[: i + 1].count(False)
 
 
-def test_matches_reference_with_skips_under_scan():
+def test_matches_reference_with_skips_under_scan(rng):
   """lax.scan over a gradient sequence with bad steps: no Python control flow on traced values."""
-  rng = np.random.default_rng()
   params = make_params(rng)
   n = 30
   seq = [make_grads(rng) for _ in range(n)]
@@ -131,7 +131,7 @@ def test_matches_reference_with_skips_under_scan():
   assert int(optax_lamb.skip_counts(state).consecutive) == ref.consecutive
 
 
-def test_multisteps_inside_skips_poisoned_accumulation():
+def test_multisteps_inside_skips_poisoned_accumulation(rng):
   """MultiSteps(lamb(skip)) skips the accumulated step a bad micro-batch poisoned.
 
   optax's MultiSteps resets its accumulator by multiplying it with 0, which keeps
@@ -139,7 +139,6 @@ def test_multisteps_inside_skips_poisoned_accumulation():
   micro-batch never enters the accumulator, or wrap MultiSteps in skip_nonfinite
   (next test).
   """
-  rng = np.random.default_rng()
   params = make_params(rng)
   opt = optax.MultiSteps(
     optax_lamb.lamb(1e-2, skip_nonfinite=True),
@@ -176,9 +175,8 @@ def run_multisteps(opt, params, grads_seq):
   return u, state
 
 
-def test_skip_nonfinite_around_multisteps():
+def test_skip_nonfinite_around_multisteps(rng):
   """skip_nonfinite(MultiSteps(lamb)) drops the bad micro-batch and keeps the accumulator clean."""
-  rng = np.random.default_rng()
   params = make_params(rng)
   tx = optax_lamb.skip_nonfinite(
     optax.MultiSteps(optax_lamb.lamb(1e-2), every_k_schedule=2).gradient_transformation()
@@ -196,8 +194,7 @@ def test_skip_nonfinite_around_multisteps():
   assert int(optax_lamb.skip_counts(state).total) == 1
 
 
-def test_skip_holds_master_weights_and_schedule_counts():
-  rng = np.random.default_rng()
+def test_skip_holds_master_weights_and_schedule_counts(rng):
   params = make_params(rng, jnp.bfloat16)
   sched = optax.linear_schedule(1e-2, 1e-3, 10)
   tx = optax_lamb.lamb(
@@ -212,13 +209,12 @@ def test_skip_holds_master_weights_and_schedule_counts():
 
 
 @pytest.mark.parametrize("kind", ["float", "array", "update_kwarg"])
-def test_grad_scale_power_of_two_is_exact(kind):
+def test_grad_scale_power_of_two_is_exact(kind, rng):
   """Dividing by a power of two is exact in float32: lamb on s*g equals lamb on g.
 
   Equal up to the order XLA picks for the norm reductions, which may differ between
   the two compiled steps (seen once in about 20 runs as a one-ulp difference).
   """
-  rng = np.random.default_rng()
   params = make_params(rng)
   s = float(2 ** rng.integers(1, 16))
   seq = [make_grads(rng) for _ in range(4)]
@@ -231,11 +227,10 @@ def test_grad_scale_power_of_two_is_exact(kind):
   else:
     scale = s if kind == "float" else jnp.float32(s)
     got, _ = run(optax_lamb.lamb(1e-2, max_grad_norm=1.0, grad_scale=scale), params, scaled)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0), got, plain)
+  assert_trees_close(got, plain, rtol=FEW_ROUNDINGS, atol=0)
 
 
-def test_grad_scale_before_clipping_matches_reference():
-  rng = np.random.default_rng()
+def test_grad_scale_before_clipping_matches_reference(rng):
   params = make_params(rng)
   s = float(rng.uniform(10, 1000))
   seq = [make_grads(rng, scale=s) for _ in range(5)]
@@ -248,8 +243,7 @@ def test_grad_scale_before_clipping_matches_reference():
     np.testing.assert_allclose(np.asarray(got[k]), p[k], rtol=1e-5, atol=1e-6)
 
 
-def test_grad_scale_schedule_on_update_count():
-  rng = np.random.default_rng()
+def test_grad_scale_schedule_on_update_count(rng):
   params = make_params(rng)
   schedule = lambda count: 2.0 ** (3 + count % 4)
   seq = [make_grads(rng) for _ in range(6)]
@@ -272,8 +266,7 @@ def test_grad_scale_float16_gradients_unscaled_in_float32():
   assert float(jnp.asarray(tiny, jnp.float16)) == 0.0  # what a float16 result would hold
 
 
-def test_overflowed_scaled_gradient_is_skipped():
-  rng = np.random.default_rng()
+def test_overflowed_scaled_gradient_is_skipped(rng):
   params = make_params(rng, jnp.float16)
   tx = optax_lamb.lamb(1e-2, skip_nonfinite=True, nu_dtype=jnp.float32)
   state = tx.init(params)
@@ -285,10 +278,9 @@ def test_overflowed_scaled_gradient_is_skipped():
     np.testing.assert_array_equal(np.asarray(leaf), 0)
 
 
-def test_jmp_dynamic_loss_scale():
+def test_jmp_dynamic_loss_scale(rng):
   """The README example: jmp.DynamicLossScale hands its scale to lamb each step."""
   jmp = pytest.importorskip("jmp")
-  rng = np.random.default_rng()
   x = jnp.asarray(rng.normal(size=(64, 8)), jnp.float16)
   y = jnp.asarray(rng.normal(size=(64,)), jnp.float16)
   params = {"w": jnp.zeros(8, jnp.float32), "b": jnp.zeros((), jnp.float32)}
@@ -322,13 +314,12 @@ def test_jmp_dynamic_loss_scale():
   assert float(loss_fn(params)) < loss0
 
 
-def test_sharded_leaves_skip_together():
+def test_sharded_leaves_skip_together(rng):
   """Inside shard_map, a NaN on one device makes every device skip (axis_name)."""
   from jax.sharding import PartitionSpec as P
 
   n = 8
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
-  rng = np.random.default_rng()
   params = {"w": jnp.asarray(rng.normal(size=(n * 2, 3)), jnp.float32)}
   tx = optax_lamb.lamb(1e-2, weight_decay=0.01, skip_nonfinite=True, axis_name="data")
   full = optax_lamb.lamb(1e-2, weight_decay=0.01, skip_nonfinite=True)
