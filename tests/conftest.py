@@ -57,6 +57,7 @@ def fresh_rng(rng) -> np.random.Generator:
   """tests/test_dispatch.py's name for `rng`, until that file moves."""
   return rng
 
+
 _SEED = pytest.StashKey[int]()
 
 
@@ -70,7 +71,9 @@ def _margins_of_this_test(request):
 def pytest_runtest_makereport(item, call):
   report = yield
   if report.failed and _SEED in item.stash:
-    command = seeds.replay_command(item.stash[_SEED], re.sub(r"-?seed\d+(?=\])|\[seed\d+\]", "", item.nodeid))
+    command = seeds.replay_command(
+      item.stash[_SEED], re.sub(r"-?seed\d+(?=\])|\[seed\d+\]", "", item.nodeid)
+    )
     report.sections.append(("how to replay", command))
   return report
 

@@ -176,7 +176,9 @@ class Conformance:
         atol = rtol * _largest(w - before[name]) + asserts.FLOAT32_EPS * _largest(w)
         asserts.assert_close_to_reference(got[name], w, rtol=rtol, atol=atol, err_msg=at)
         assert ratios[name].dtype == jnp.float32, at
-        asserts.assert_close_to_reference(ratios[name], ref.ratios[name], rtol=rtol, atol=0, err_msg=at)
+        asserts.assert_close_to_reference(
+          ratios[name], ref.ratios[name], rtol=rtol, atol=0, err_msg=at
+        )
         for field in ("mu", "nu"):
           moment = stored[field][name]
           if np.dtype(moment.dtype).itemsize < 4:  # rounded from float32: one ulp
@@ -439,7 +441,5 @@ class Conformance:
     for g in grads:
       mine, xla = step(params, state, g)
       asserts.assert_trees_within_ulps(mine, xla)
-      asserts.assert_trees_close(
-        optax_lamb.trust_ratios(mine[2]), optax_lamb.trust_ratios(xla[2])
-      )
+      asserts.assert_trees_close(optax_lamb.trust_ratios(mine[2]), optax_lamb.trust_ratios(xla[2]))
       _, params, state = xla

@@ -27,6 +27,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
 
 def _as_fn(x):
   return x if callable(x) else (lambda step: x)
@@ -82,8 +84,9 @@ class NumpyLamb:
     # relatively on the last step's ratios.
     self.storage_drift = {}
     self.storage_ratio_rtol = 0.0
-    # The relative error of this step's u (so of r u) in a run that holds b1 and b2 in
-    # float32: 1 - b^t moves by |float32(b)^t - b^t| / (1 - b^t), large for b2 near 1.
+    # The relative error of this step's u (so of r u) in a run that computes 1 - b^t in
+    # float32: b rounded, b^t rounded to an ulp, then the cancellation in 1 - b^t divides
+    # both by 1 - b^t, large for b2 near 1.
     self.float32_constants_rtol = 0.0
     self.m_terms = {}  # per leaf, elementwise: b1 |m| + (1 - b1) |g| of the last step
 
@@ -109,8 +112,9 @@ class NumpyLamb:
     if not self.bias_correction:
       return 0.0
 
-    def relative(b):
-      return abs(float(np.float32(b)) ** self.t - b**self.t) / (1 - b**self.t)
+    def relative(b):  # b rounded to float32, and b^t computed to an ulp in float32
+      bt = b**self.t
+      return (abs(float(np.float32(b)) ** self.t - bt) + FLOAT32_EPS * bt) / (1 - bt)
 
     return relative(self.b1) + 0.5 * relative(self.b2)
 

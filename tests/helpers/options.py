@@ -66,16 +66,16 @@ wd_schedule = optax.linear_schedule(0.1, 0.01, STEPS)
 # those drawn as any float.
 VALUES = {
   "learning_rate": [1e-2, 0.1, optax.linear_schedule(0.1, 0.01, 3)],
-  "weight_decay": [0.0, 0.01, 0.3, optax.linear_schedule(0.3, 0.0, 3)],
+  "weight_decay": [0.0, 0.01, 0.1, 0.3, optax.linear_schedule(0.3, 0.0, 3)],
   "mask": [None, decay_mask_fn],
   "trust_ratio_mask": [None, adapt_non_scalars],
   "stacked_axes": [None, stack_first_axis],
-  "min_trust_ratio": [None, 0.05, 0.5],
+  "min_trust_ratio": [None, 0.01, 0.05, 0.5],
   "max_trust_ratio": [None, 2.0, 10.0],
-  "max_grad_norm": [None, 0.5, 100.0],
+  "max_grad_norm": [None, 0.5, 1.0, 100.0],
   "bias_correction": [True, False],
   ("b1", "b2"): [(0.9, 0.999), (0.8, 0.99)],
-  ("eps", "eps_root"): [(1e-6, 0.0), (1e-3, 1e-8)],
+  ("eps", "eps_root"): [(1e-6, 0.0), (1e-3, 1e-8), (1e-8, 0.0), (1e-4, 0.0)],
   "mu_dtype": [None, jnp.float32, jnp.bfloat16],
   "nu_dtype": [None, jnp.float32],
   "master_weights": [False, True],
@@ -89,7 +89,7 @@ def lamb_options(draw, names=tuple(VALUES)) -> dict:
   kwargs = {}
   for name in names:
     value = draw(st.sampled_from(VALUES[name]))
-    kwargs.update(zip(name, value) if isinstance(name, tuple) else [(name, value)])
+    kwargs.update(zip(name, value, strict=True) if isinstance(name, tuple) else [(name, value)])
   return kwargs
 
 
@@ -130,30 +130,69 @@ CASES = {
     {"store_mu": ml_dtypes.bfloat16, "store_nu": ml_dtypes.bfloat16, "weight_decay": 0.01},
   ),
   "decay_clamp_stacked_clip": Case(
-    {"weight_decay": 0.01, "min_trust_ratio": 0.1, "max_grad_norm": 1.0,
-     "stacked_axes": STACKED_TREE},
+    {
+      "weight_decay": 0.01,
+      "min_trust_ratio": 0.1,
+      "max_grad_norm": 1.0,
+      "stacked_axes": STACKED_TREE,
+    },
     {"weight_decay": 0.01, "min_ratio": 0.1, "max_grad_norm": 1.0, "stacked_axes": STACKED},
     2.0,
   ),  # fmt: skip
   "no_bias_correction_combined": Case(
-    {"learning_rate": lr_schedule, "weight_decay": 0.05, "mask": DECAY_TREE,
-     "bias_correction": False, "trust_ratio_mask": ADAPT_TREE, "min_trust_ratio": 0.2,
-     "max_trust_ratio": 8.0, "max_grad_norm": 2.0, "stacked_axes": STACKED_TREE},
-    {"learning_rate": lr_schedule, "weight_decay": 0.05, "decay_mask": NO_DECAY,
-     "bias_correction": False, "adapt_mask": ADAPT_BY_NAME, "min_ratio": 0.2,
-     "max_ratio": 8.0, "max_grad_norm": 2.0, "stacked_axes": STACKED},
+    {
+      "learning_rate": lr_schedule,
+      "weight_decay": 0.05,
+      "mask": DECAY_TREE,
+      "bias_correction": False,
+      "trust_ratio_mask": ADAPT_TREE,
+      "min_trust_ratio": 0.2,
+      "max_trust_ratio": 8.0,
+      "max_grad_norm": 2.0,
+      "stacked_axes": STACKED_TREE,
+    },
+    {
+      "learning_rate": lr_schedule,
+      "weight_decay": 0.05,
+      "decay_mask": NO_DECAY,
+      "bias_correction": False,
+      "adapt_mask": ADAPT_BY_NAME,
+      "min_ratio": 0.2,
+      "max_ratio": 8.0,
+      "max_grad_norm": 2.0,
+      "stacked_axes": STACKED,
+    },
     2.0,
   ),  # fmt: skip
   "combined": Case(
-    {"learning_rate": lr_schedule, "weight_decay": wd_schedule, "mask": decay_mask_fn,
-     "trust_ratio_mask": ADAPT_TREE, "min_trust_ratio": 0.05, "max_trust_ratio": 0.6,
-     "max_grad_norm": 1.0, "stacked_axes": STACKED_TREE, "b1": 0.8, "b2": 0.99},
-    {"learning_rate": lr_schedule, "weight_decay": wd_schedule, "decay_mask": DECAY_BY_NAME,
-     "adapt_mask": ADAPT_BY_NAME, "min_ratio": 0.05, "max_ratio": 0.6, "max_grad_norm": 1.0,
-     "stacked_axes": STACKED, "b1": 0.8, "b2": 0.99},
+    {
+      "learning_rate": lr_schedule,
+      "weight_decay": wd_schedule,
+      "mask": decay_mask_fn,
+      "trust_ratio_mask": ADAPT_TREE,
+      "min_trust_ratio": 0.05,
+      "max_trust_ratio": 0.6,
+      "max_grad_norm": 1.0,
+      "stacked_axes": STACKED_TREE,
+      "b1": 0.8,
+      "b2": 0.99,
+    },
+    {
+      "learning_rate": lr_schedule,
+      "weight_decay": wd_schedule,
+      "decay_mask": DECAY_BY_NAME,
+      "adapt_mask": ADAPT_BY_NAME,
+      "min_ratio": 0.05,
+      "max_ratio": 0.6,
+      "max_grad_norm": 1.0,
+      "stacked_axes": STACKED,
+      "b1": 0.8,
+      "b2": 0.99,
+    },
     2.0,
   ),  # fmt: skip
 }
+
 
 def build(kwargs: dict, implementation: str = "xla") -> optax.GradientTransformationExtraArgs:
   """lamb for one of `implementations.IMPLEMENTATIONS` with a case's keyword arguments."""

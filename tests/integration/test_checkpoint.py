@@ -2,12 +2,11 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
-from tree_asserts import assert_trees_equal
+from helpers.asserts import assert_trees_equal
 
 import optax_lamb
 
@@ -74,8 +73,7 @@ def save_restore_flax(tree, template, path):
 
 @pytest.mark.parametrize("backend", ["orbax", "flax"])
 @pytest.mark.parametrize("config", CONFIGS)
-def test_resume_is_bit_identical(config, backend, tmp_path):
-  rng = np.random.default_rng()
+def test_resume_is_bit_identical(config, backend, tmp_path, rng):
   tx, dtype = build(config)
   params = {
     "w": jnp.asarray(rng.normal(size=(6, 4)), dtype),

@@ -1,29 +1,29 @@
-"""Every state that init returns can be donated: no two leaves share a buffer (issue 12, class 4).
+"""Every state that init returns can be donated: no two leaves share a buffer.
 
 `jax.jit(step, donate_argnums=...)` refuses an argument list that holds one
 buffer twice ("Attempt to donate the same buffer twice"), so neither the state
 nor the state together with the params may share a buffer, on any option set:
-every option case of `option_cases` (the shared table), each with the wrappers
+every option case of `helpers.options` (the one table), each with the wrappers
 (skip_nonfinite, master_weights, a loss-scale schedule), and the stages and
 wrappers used on their own. Init is checked eager (and jitted for the cases that
-take every branch of init); a donated step then runs on the params and state,
-and a donated lamb step equals the undonated one.
+take every branch of init); a donated step then runs on the params and state
+(a donated lamb step equals the undonated one: tests/backends/conformance.py).
 """
 
 import collections
 import functools
 import warnings
 
-import _fast_compile
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from option_cases import CASES, build, make_params
+from helpers import fast_compile
+from helpers.options import CASES, build
+from helpers.trees import make_params
 
 import optax_lamb
-from optax_lamb._skip import SkipNonFiniteState
 
 WRAPPERS = {
   "plain": {},
@@ -48,7 +48,7 @@ def _plus_zero_fn(tree):
   return jax.tree.map(lambda x: x + 0, tree)
 
 
-_donated_plus_zero = _fast_compile.jit(_plus_zero_fn, donate_argnums=0)
+_donated_plus_zero = fast_compile.jit(_plus_zero_fn, donate_argnums=0)
 
 
 def donate(tree):
@@ -78,7 +78,7 @@ def assert_donatable(tx, params, jitted=True):
 @pytest.mark.parametrize("wrappers", list(WRAPPERS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_init_state_has_no_shared_buffers(case, wrappers):
-  kwargs, _, _ = CASES[case]
+  kwargs = CASES[case].lamb
   # jitted init (a compile each) for the cases that between them take every init branch
   jitted = case in ("defaults", "combined", "moments_bfloat16")
   assert_donatable(build({**kwargs, **WRAPPERS[wrappers]}, "xla"), params(), jitted)
@@ -117,50 +117,9 @@ def test_the_check_catches_a_shared_buffer():
   """A state with one counter array twice (lamb(skip_nonfinite=True) before the fix) is caught."""
   tx = optax_lamb.lamb(1e-2, skip_nonfinite=True)
   zero = jnp.zeros([], jnp.int32)
-  state = SkipNonFiniteState(
+  state = optax_lamb.SkipNonFiniteState(
     total=zero, consecutive=zero, inner_state=tx.init(params()).inner_state
   )
   assert list(shared_buffers(state).values()) == [2]
   with pytest.raises(Exception, match="donate the same buffer twice"):
     donate(state)
-
-
-RICH = {  # every kind of stage state, on a tree that compiles fast
-  "learning_rate": optax.linear_schedule(1e-2, 1e-3, 5),
-  "weight_decay": optax.linear_schedule(0.1, 0.01, 5),
-  "mask": {"w": True, "b": False},
-  "max_grad_norm": 1.0,
-  "stacked_axes": {"w": 1, "b": 0},
-  "mu_dtype": jnp.bfloat16,
-}
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["update_and_apply", "update"])
-def test_donated_lamb_step_equals_undonated(fused):
-  """update_and_apply (the fused path) and update + apply with every wrapper, donated."""
-  kwargs = dict(RICH) | ({} if fused else dict(WRAPPERS["all"]))
-  tx = optax_lamb.lamb(kwargs.pop("learning_rate"), **kwargs)
-  rng = np.random.default_rng(0)
-  p = {"w": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32), "b": jnp.zeros(5)}
-  grads = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), p) for _ in "ab"]
-
-  def step(p, state, g):
-    if fused:
-      return optax_lamb.update_and_apply(tx, g, state, p)
-    updates, state = tx.update(g, state, p)
-    return optax.apply_updates(p, updates), state
-
-  plain = _fast_compile.jit(step)
-  donated = _fast_compile.jit(step, donate_argnums=(0, 1))
-  want = (p, tx.init(p))
-  got = first = (jax.tree.map(jnp.copy, p), tx.init(p))  # init's own arrays, donated as they are
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    for g in grads:
-      want = plain(*want, g)
-      got = donated(*got, g)
-  jax.tree.map(np.testing.assert_array_equal, got, want)
-  # the donation took place: the params and moments handed in were consumed
-  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
-  (adam,) = [x for x in jax.tree.leaves(first[1], is_leaf=is_adam) if is_adam(x)]
-  assert all(x.is_deleted() for x in jax.tree.leaves((first[0], adam.mu, adam.nu)))

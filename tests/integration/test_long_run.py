@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from lamb_reference import NumpyLamb
+from helpers.lamb_reference import NumpyLamb
 
 import optax_lamb
 
@@ -15,8 +15,8 @@ STEPS = 2000
 BOUND = STEPS * 2.0**-24
 
 
-def run_long(dtype, master_weights):
-  rng = np.random.default_rng()
+def run_long(dtype, master_weights, seed):
+  rng = np.random.default_rng(seed)
   shapes = {"w": (16, 8), "b": (8,), "g": (8,)}
   target = {k: rng.normal(size=s) for k, s in shapes.items()}
   target["b"] *= 0.1
@@ -74,8 +74,8 @@ def run_long(dtype, master_weights):
   return final, worst, progress
 
 
-def test_float32_drift_against_float64_reference():
-  final, worst, progress = run_long(jnp.float32, master_weights=False)
+def test_float32_drift_against_float64_reference(seed):
+  final, worst, progress = run_long(jnp.float32, master_weights=False, seed=seed)
   print(
     f"float32, {STEPS} steps: relative drift final {final:.3e}, worst {worst:.3e} (bound {BOUND:.2e})"
   )
@@ -83,10 +83,10 @@ def test_float32_drift_against_float64_reference():
   assert worst < BOUND
 
 
-def test_bfloat16_master_weights_drift():
+def test_bfloat16_master_weights_drift(seed):
   """bfloat16 params with float32 master weights: the drift is bfloat16 rounding, not growth."""
-  final, worst, _ = run_long(jnp.bfloat16, master_weights=True)
-  plain_final, plain_worst, _ = run_long(jnp.bfloat16, master_weights=False)
+  final, worst, _ = run_long(jnp.bfloat16, master_weights=True, seed=seed)
+  plain_final, plain_worst, _ = run_long(jnp.bfloat16, master_weights=False, seed=seed)
   print(
     f"bfloat16 + master, {STEPS} steps: relative drift final {final:.3e}, worst {worst:.3e}; "
     f"bfloat16 without master: final {plain_final:.3e}, worst {plain_worst:.3e}"
