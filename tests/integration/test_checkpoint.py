@@ -1,7 +1,15 @@
-"""The optimizer state round-trips through orbax and flax.serialization; training resumes bit-identically."""
+"""The optimizer state round-trips through orbax and flax.serialization; training resumes bit-identically.
+
+Also a state saved by an earlier version (tests/data/checkpoints, written by
+tests/data/make_checkpoint.py) restores and steps bit for bit.
+"""
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
@@ -98,3 +106,50 @@ def test_resume_is_bit_identical(config, backend, tmp_path, rng):
   assert_trees_equal(s_resumed, s_full)
   if config.startswith("bf16"):
     assert int(optax_lamb.skip_counts(s_resumed).total) == 2
+
+
+def _load_maker():
+  """tests/data/make_checkpoint.py, which wrote the committed checkpoints (option sets, inputs)."""
+  path = Path(__file__).resolve().parents[1] / "data" / "make_checkpoint.py"
+  spec = importlib.util.spec_from_file_location("make_checkpoint", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+MAKER = _load_maker()
+
+
+def _assert_bits(tree, saved, prefix):
+  """Every leaf of `tree` has the saved bits (and the dtype whose width they have)."""
+  leaves = jax.tree.leaves(tree)
+  assert len(leaves) == len([k for k in saved.files if k.startswith(prefix + "_")]), prefix
+  for i, x in enumerate(leaves):
+    np.testing.assert_array_equal(MAKER.bits(x), saved[f"{prefix}_{i}"], err_msg=f"{prefix}_{i}")
+
+
+@pytest.mark.parametrize("form", ["orbax", "flax"])
+@pytest.mark.parametrize("config", list(MAKER.configs()))
+def test_a_committed_checkpoint_restores_and_steps_bit_identically(config, form):
+  """A state saved by e617aff (tests/data/checkpoints) restores into init's tree, bit for bit."""
+  tx, dtype, with_nan = MAKER.configs()[config]
+  folder = MAKER.OUT / config
+  saved = np.load(folder / "steps.npz")
+  params, grads = MAKER.params_and_grads(dtype, with_nan)
+  params = jax.tree.unflatten(jax.tree.structure(params),
+                              [jnp.asarray(saved[f"params_{i}"]).view(dtype)
+                               for i in range(len(jax.tree.leaves(params)))])  # fmt: skip
+  target = jax.eval_shape(tx.init, params)
+  if form == "orbax":
+    state = ocp.StandardCheckpointer().restore(folder / "orbax", target)
+  else:
+    state = serialization.from_bytes(tx.init(params), (folder / "state.msgpack").read_bytes())
+  assert jax.tree.structure(state) == jax.tree.structure(target)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
+    lambda x: (x.shape, x.dtype), target
+  )
+  _assert_bits(state, saved, "state")
+  _assert_bits(grads[MAKER.STEPS], saved, "grads")
+  next_params, next_state = MAKER.step_fn(tx)(params, state, grads[MAKER.STEPS])
+  _assert_bits(next_params, saved, "next_params")
+  _assert_bits(next_state, saved, "next_state")
