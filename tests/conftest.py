@@ -79,7 +79,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
-  if seeds.sweep() is not None and asserts.MARGINS:
-    terminalreporter.section(f"worst margin (|error| / tolerance) over seeds {seeds.sweep()}")
+  if (seeds.sweep() is not None or seeds.exploring()) and asserts.MARGINS:
+    which = f"seeds {seeds.sweep()}" if seeds.sweep() else "random seeds and examples"
+    terminalreporter.section(f"worst margin (|error| / tolerance) over {which}")
     for test, margin in sorted(asserts.MARGINS.items()):
       terminalreporter.write_line(f"{margin:8.3f}  {test}")

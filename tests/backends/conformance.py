@@ -22,7 +22,7 @@ import runs
 from helpers import asserts, fast_compile, seeds
 from helpers.implementations import lamb_for
 from helpers.options import CASES, LR, STEPS, build, lamb_options, reference
-from helpers.trees import by_path, make_grads, make_params, paths
+from helpers.trees import by_path, make_grads, make_params, paths, random_like, random_tree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +38,7 @@ DONATION_KWARGS = {  # every option that shapes the state, for the donation test
   "stacked_axes": {"w": 1, "b": 0},
   "mu_dtype": jnp.bfloat16,
 }
+SHARDED_SHAPES = {"w": (64, 40), "v": (8, 96), "b": (40,)}
 WRAPPERS = {"skip_nonfinite": True, "master_weights": True, "grad_scale": lambda count: 4.0}
 
 
@@ -88,6 +89,20 @@ class LowPrecisionRun:
     self.params, self.grads, self.steps, self.fused = params, grads, steps, fused
 
 
+@functools.cache
+def low_precision_stepper(implementation: str, moments: str):
+  """A jitted step: update + apply and update_and_apply, from their own (params, state)."""
+  extra = {} if moments == "param-dtype" else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
+  tx = lamb_for(implementation)(LR, weight_decay=LOW_PRECISION_DECAY, **extra)
+
+  def step(p, s, fused, g):
+    updates, new_s = tx.update(g, s, p)
+    fused = optax_lamb.update_and_apply(tx, g, fused[1], fused[0])
+    return (updates, optax.apply_updates(p, updates), new_s), fused
+
+  return tx, fast_compile.jit(step)
+
+
 @functools.lru_cache(maxsize=32)
 def low_precision_run(implementation: str, dtype: str, moments: str, seed: int) -> LowPrecisionRun:
   """Three steps on params of scale 2 (the decay a large part of the direction, so its value shows)."""
@@ -96,16 +111,7 @@ def low_precision_run(implementation: str, dtype: str, moments: str, seed: int) 
   params = {name: (2.0 * jax.random.normal(k, shape)).astype(low)
             for k, (name, shape) in zip(keys, LOW_PRECISION_SHAPES.items(), strict=True)}  # fmt: skip
   grads = [make_grads(params, seed + 1 + t) for t in range(LOW_PRECISION_STEPS)]
-  extra = {} if moments == "param-dtype" else {"mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
-  tx = lamb_for(implementation)(LR, weight_decay=LOW_PRECISION_DECAY, **extra)
-
-  def step(p, s, fused, g):
-    updates, new_s = tx.update(g, s, p)
-    return (updates, optax.apply_updates(p, updates), new_s), optax_lamb.update_and_apply(
-      tx, g, fused[1], fused[0]
-    )
-
-  step = fast_compile.jit(step)
+  tx, step = low_precision_stepper(implementation, moments)
   p, s = params, tx.init(params)
   fused, steps, fused_steps = (params, s), [], []
   for g in grads:
@@ -319,42 +325,30 @@ class Conformance:
       asserts.assert_close_to_reference(a, b, rtol=asserts.FEW_ROUNDINGS, atol=atol, err_msg=name)
     asserts.assert_trees_close(ratios, ratios_other, rtol=asserts.FEW_ROUNDINGS)
 
-  @pytest.mark.parametrize("per_leaf_names", [False, True], ids=["one-name", "per-leaf"])
-  def test_sharded_leaves_match_unsharded(self, per_leaf_names, seed):
-    """Inside shard_map with axis_name, the norms are psum'd: the unsharded result."""
+  @pytest.mark.parametrize("replicated", [(), ("b",)], ids=["one-name", "per-leaf"])
+  def test_sharded_leaves_match_unsharded(self, replicated, rng):
+    """Inside shard_map with axis_name, the norms are psum'd (not a replicated leaf's)."""
     devices = np.array(jax.devices()[:8])
     if devices.size < 8:
       pytest.skip("needs 8 devices (tests/conftest.py sets them for the CPU)")
     mesh = jax.sharding.Mesh(devices, ("d",))
-    sharded, replicated = jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec()
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    params = {
-      "w": jax.random.normal(keys[0], (64, 40)),
-      "v": jax.random.normal(keys[1], (8, 96)),
-      "b": jax.random.normal(keys[2], (40,)),
-    }
-    grads = [make_grads(params, seed + 1 + t) for t in range(2)]
+    params = random_tree(rng, SHARDED_SHAPES)
+    grads = [random_like(rng, params) for _ in range(2)]
     kwargs = {"weight_decay": 0.01, "max_grad_norm": 1.0, "min_trust_ratio": 0.1}
-    if per_leaf_names:  # b is replicated: its norms must not be psum'd
-      axis_name = {"w": "d", "v": "d", "b": None}
-      spec = {"w": sharded, "v": sharded, "b": replicated}
-    else:
-      axis_name, spec = "d", {"w": sharded, "v": sharded, "b": sharded}
+    axis_name = {k: None if k in replicated else "d" for k in params} if replicated else "d"
+    spec = {k: jax.sharding.PartitionSpec(*(() if k in replicated else ("d",))) for k in params}
     whole = lamb_for("reference")(LR, **kwargs)
     want = (params, whole.init(params))
     for g in grads:
       want = runs.update_then_apply(whole, *want, g)
     tx = lamb_for(self.IMPLEMENTATION)(LR, axis_name=axis_name, **kwargs)
 
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    def step(params, *grads):
-      state = tx.init(params)
-      for g in grads:
-        params, state = optax_lamb.update_and_apply(tx, g, state, params)
-      return params
+    def train(params, *grads):  # each device: its shards, init and the steps
+      fused = lambda run, g: optax_lamb.update_and_apply(tx, g, run[1], run[0])
+      return functools.reduce(fused, grads, (params, tx.init(params)))[0]
 
-    got = step(params, *grads)
+    sharded = jax.shard_map(train, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    got = jax.jit(sharded)(params, *grads)
     for name, a in by_path(got).items():
       b = by_path(want[0])[name]
       atol = asserts.FLOAT32_EPS * _largest(b)

@@ -203,57 +203,26 @@ P = functools.partial
 
 # id: (the optimizer used, the optimizer that made the state, its params, the params used, message)
 FOREIGN_STATES = {
-  "shape (1,) for (4,)": (lamb, lamb, W1, W4,
-    r"state\[1\]\.mu\['w'\] has shape \(1,\) where init\(params\) gives shape \(4,\)"),
-  "shape (3,) for (4,)": (lamb, lamb, W3, W4,
-    r"state\[1\]\.mu\['w'\] has shape \(3,\) where init\(params\) gives shape \(4,\)"),
-  "shape (4, 3) for (3, 4)": (lamb, lamb, {"w": (4, 3)}, {"w": (3, 4)},
-    r"state\[1\]\.mu\['w'\] has shape \(4, 3\) where init\(params\) gives shape \(3, 4\)"),
-  "other leaf names": (lamb, lamb, {"v": (4,)}, W4,
-    r"state\[1\]\.mu is a dict with keys \['v'\] where init\(params\) gives a dict with keys "
-    r"\['w'\] \(missing \[\"\['w'\]\"\]; not expected \[\"\['v'\]\"\]\)"),
-  "a param added": (lamb, lamb, W4, {"w": (4,), "b": (2,)},
-    r"state\[1\]\.mu is a dict with keys \['w'\] where .* keys \['b', 'w'\] \(missing"),
-  "state for bfloat16 params": (lamb, lamb, (W4, jnp.bfloat16), W4,
-    r"state\[1\]\.mu\['w'\] has dtype bfloat16 where init\(params\) gives dtype float32.*mu_dtype"),
-  "mu_dtype=bfloat16 state": (lamb, P(lamb, mu_dtype=jnp.bfloat16), W4, W4,
-    r"state\[1\]\.mu\['w'\] has dtype bfloat16 where init\(params\) gives dtype float32"),
-  "state without stacked_axes": (P(lamb, stacked_axes=1), lamb, {"w": (2, 3)}, {"w": (2, 3)},
-    r"state\[3\]\.ratios has shape \(1,\) where init\(params\) gives shape \(2,\).*stacked_axes"),
-  "optax.lamb state": (lamb, optax.lamb, W4, W4,
-    r"state is a tuple of 4 \(optax\.ScaleByAdamState, optax\.EmptyState, optax\.EmptyState, "
-    r"optax\.EmptyState\) where init\(params\) gives a tuple of 5 \(optax\.EmptyState, "
-    r"optax\.ScaleByAdamState, .*optax\.lamb"),
-  "optax.adam state": (lamb, optax.adam, W4, W4,
-    r"state is a tuple of 2 \(optax\.ScaleByAdamState, optax\.EmptyState\) where init\(params\) "
-    r"gives a tuple of 5"),
-  "plain state, skip_nonfinite=True": (P(lamb, skip_nonfinite=True), lamb, W4, W4,
-    r"state is a tuple of 5 \(.*\) where init\(params\) gives optax_lamb\.SkipNonFiniteState\. "
-    r".*skip_nonfinite"),
-  "skip_nonfinite state, plain lamb": (lamb, P(lamb, skip_nonfinite=True), W4, W4,
-    r"state is optax_lamb\.SkipNonFiniteState where init\(params\) gives a tuple of 5"),
-  "plain state, master_weights=True": (P(lamb, master_weights=True), lamb, W4, W4,
-    r"state is a tuple of 5 \(.*\) where init\(params\) gives optax_lamb\.MasterWeightsState"),
-  "float learning rate state, schedule": (P(lamb, learning_rate=SCHEDULE), lamb, W4, W4,
-    r"state\[4\] is optax\.EmptyState where init\(params\) gives optax\.ScaleByScheduleState.*"
-    r"learning_rate or weight_decay schedule"),
-  "schedule learning rate state, float": (lamb, P(lamb, learning_rate=SCHEDULE), W4, W4,
-    r"state\[4\] is optax\.ScaleByScheduleState where init\(params\) gives optax\.EmptyState"),
-  "float weight decay state, schedule": (
-    P(lamb, weight_decay=SCHEDULE), P(lamb, weight_decay=0.01), W4, W4,
-    r"state\[2\] is optax\.EmptyState where init\(params\) gives optax\.ScaleByScheduleState"),
-  "no grad_scale state, grad_scale schedule": (P(lamb, grad_scale=lambda count: 2.0), lamb, W4,
-    W4, r"state is a tuple of 5 \(.*\) where init\(params\) gives a tuple of 2 "
-    r"\(optax_lamb\.UnscaleGradientsState, tuple\)"),
-  "weight-decay mask state, no mask": (
-    P(lamb, weight_decay=0.01), P(lamb, weight_decay=0.01, mask={"w": True}), W4, W4,
-    r"state\[2\] is optax\.MaskedState where init\(params\) gives optax\.EmptyState.*mask"),
-  "skip_nonfinite state for other shapes": (
-    P(lamb, skip_nonfinite=True), P(lamb, skip_nonfinite=True), W1, W4,
-    r"state\.inner_state\[1\]\.mu\['w'\] has shape \(1,\) where init\(params\) gives shape \(4,\)"),
-  "master weights for other shapes": (
-    P(lamb, master_weights=True), P(lamb, master_weights=True), W3, W4,
-    r"state\.master\['w'\] has shape \(3,\) where init\(params\) gives shape \(4,\)"),
+  "shape (1,) for (4,)": (lamb, lamb, W1, W4, r"state\[1\]\.mu\['w'\] has shape \(1,\) where init\(params\) gives shape \(4,\)"),
+  "shape (3,) for (4,)": (lamb, lamb, W3, W4, r"state\[1\]\.mu\['w'\] has shape \(3,\) where init\(params\) gives shape \(4,\)"),
+  "shape (4, 3) for (3, 4)": (lamb, lamb, {"w": (4, 3)}, {"w": (3, 4)}, r"state\[1\]\.mu\['w'\] has shape \(4, 3\) where init\(params\) gives shape \(3, 4\)"),
+  "other leaf names": (lamb, lamb, {"v": (4,)}, W4, r"state\[1\]\.mu is a dict with keys \['v'\] where init\(params\) gives a dict with keys " r"\['w'\] \(missing \[\"\['w'\]\"\]; not expected \[\"\['v'\]\"\]\)"),
+  "a param added": (lamb, lamb, W4, {"w": (4,), "b": (2,)}, r"state\[1\]\.mu is a dict with keys \['w'\] where .* keys \['b', 'w'\] \(missing"),
+  "state for bfloat16 params": (lamb, lamb, (W4, jnp.bfloat16), W4, r"state\[1\]\.mu\['w'\] has dtype bfloat16 where init\(params\) gives dtype float32.*mu_dtype"),
+  "mu_dtype=bfloat16 state": (lamb, P(lamb, mu_dtype=jnp.bfloat16), W4, W4, r"state\[1\]\.mu\['w'\] has dtype bfloat16 where init\(params\) gives dtype float32"),
+  "state without stacked_axes": (P(lamb, stacked_axes=1), lamb, {"w": (2, 3)}, {"w": (2, 3)}, r"state\[3\]\.ratios has shape \(1,\) where init\(params\) gives shape \(2,\).*stacked_axes"),
+  "optax.lamb state": (lamb, optax.lamb, W4, W4, r"state is a tuple of 4 \(optax\.ScaleByAdamState, optax\.EmptyState, optax\.EmptyState, " r"optax\.EmptyState\) where init\(params\) gives a tuple of 5 \(optax\.EmptyState, " r"optax\.ScaleByAdamState, .*optax\.lamb"),
+  "optax.adam state": (lamb, optax.adam, W4, W4, r"state is a tuple of 2 \(optax\.ScaleByAdamState, optax\.EmptyState\) where init\(params\) " r"gives a tuple of 5"),
+  "plain state, skip_nonfinite=True": (P(lamb, skip_nonfinite=True), lamb, W4, W4, r"state is a tuple of 5 \(.*\) where init\(params\) gives optax_lamb\.SkipNonFiniteState\. " r".*skip_nonfinite"),
+  "skip_nonfinite state, plain lamb": (lamb, P(lamb, skip_nonfinite=True), W4, W4, r"state is optax_lamb\.SkipNonFiniteState where init\(params\) gives a tuple of 5"),
+  "plain state, master_weights=True": (P(lamb, master_weights=True), lamb, W4, W4, r"state is a tuple of 5 \(.*\) where init\(params\) gives optax_lamb\.MasterWeightsState"),
+  "float learning rate state, schedule": (P(lamb, learning_rate=SCHEDULE), lamb, W4, W4, r"state\[4\] is optax\.EmptyState where init\(params\) gives optax\.ScaleByScheduleState.*" r"learning_rate or weight_decay schedule"),
+  "schedule learning rate state, float": (lamb, P(lamb, learning_rate=SCHEDULE), W4, W4, r"state\[4\] is optax\.ScaleByScheduleState where init\(params\) gives optax\.EmptyState"),
+  "float weight decay state, schedule": ( P(lamb, weight_decay=SCHEDULE), P(lamb, weight_decay=0.01), W4, W4, r"state\[2\] is optax\.EmptyState where init\(params\) gives optax\.ScaleByScheduleState"),
+  "no grad_scale state, grad_scale schedule": (P(lamb, grad_scale=lambda count: 2.0), lamb, W4, W4, r"state is a tuple of 5 \(.*\) where init\(params\) gives a tuple of 2 " r"\(optax_lamb\.UnscaleGradientsState, tuple\)"),
+  "weight-decay mask state, no mask": ( P(lamb, weight_decay=0.01), P(lamb, weight_decay=0.01, mask={"w": True}), W4, W4, r"state\[2\] is optax\.MaskedState where init\(params\) gives optax\.EmptyState.*mask"),
+  "skip_nonfinite state for other shapes": ( P(lamb, skip_nonfinite=True), P(lamb, skip_nonfinite=True), W1, W4, r"state\.inner_state\[1\]\.mu\['w'\] has shape \(1,\) where init\(params\) gives shape \(4,\)"),
+  "master weights for other shapes": ( P(lamb, master_weights=True), P(lamb, master_weights=True), W3, W4, r"state\.master\['w'\] has shape \(3,\) where init\(params\) gives shape \(4,\)"),
 }  # fmt: skip
 
 
