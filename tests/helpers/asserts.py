@@ -33,11 +33,13 @@ MARGINS: dict[str, float] = {}  # test id -> worst |error| / tolerance seen (see
 current_test = ""  # set by tests/conftest.py
 
 
-def record_margin(error, tolerance) -> None:
+def record_margin(error, tolerance, kind: str = "") -> None:
+  """Keep the worst |error| / tolerance of the running test (per kind of check)."""
   error, tolerance = np.asarray(error, np.float64), np.asarray(tolerance, np.float64)
   if error.size:
     margin = float(np.max(error / np.maximum(tolerance, np.finfo(np.float64).tiny)))
-    MARGINS[current_test] = max(MARGINS.get(current_test, 0.0), margin)
+    key = current_test + kind
+    MARGINS[key] = max(MARGINS.get(key, 0.0), margin)
 
 
 def as_float64(tree):
@@ -78,9 +80,9 @@ def assert_close_to_reference(got, want, *, rtol: float, atol, err_msg: str = ""
   _assert_within(got, want, atol + rtol * np.abs(want), f"{err_msg} (rtol {rtol:.3g})")
 
 
-def _assert_within(got, want, tolerance, what: str) -> None:
+def _assert_within(got, want, tolerance, what: str, kind: str = "") -> None:
   error = np.abs(got - want)
-  record_margin(error, tolerance)
+  record_margin(error, tolerance, kind)
   bad = ~(error <= tolerance)  # NaN fails too
   if np.any(bad):
     worst = np.unravel_index(np.argmax(np.where(bad, error - tolerance, -np.inf)), error.shape)
@@ -95,7 +97,8 @@ def assert_within_ulps(got, want, dtype, ulps: float = 1, err_msg: str = "") -> 
   """Elementwise |got - want| <= `ulps` units in the last place of `dtype` at the larger value."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   tolerance = ulps * ulp(np.maximum(np.abs(got), np.abs(want)), dtype)
-  _assert_within(got, want, tolerance, f"{err_msg} ({ulps} {jnp.dtype(dtype).name} ulp)")
+  # (a value that rounded the other way is exactly one ulp off: margin 1 by design)
+  _assert_within(got, want, tolerance, f"{err_msg} ({ulps} {jnp.dtype(dtype).name} ulp)", " [ulps]")
 
 
 def assert_trees_within_ulps(got, want, ulps: float = 1) -> None:

@@ -17,7 +17,10 @@ import subprocess
 import sys
 
 # Checked per seed: the comparisons of the conformance suite (compiled once per case).
-SEEDED = "each_step or ends_at or agrees_with_the_stage_chain or update_and_apply or low_precision"
+SEEDED = (
+  "each_step or ends_at or agrees_with_the_stage_chain or update_and_apply"
+  " or (low_precision_params and not track)"
+)
 PROPERTY_TESTS = [
   "tests/backends/test_conformance.py::TestReference::test_agrees_with_xla_step_by_step_on_random_options",
   "tests/backends/test_conformance.py::TestXlaRecomputeU::test_agrees_with_xla_step_by_step_on_random_options",
