@@ -378,6 +378,7 @@ class Conformance:
             r, exact[name], rtol=asserts.IMPLEMENTATION_RTOL, atol=0, err_msg=at
           )
       assert_within_one_rounding(updates, theirs[0], low, at)
+      runs.assert_moments_agree(state, theirs[2], asserts.IMPLEMENTATION_RTOL)
       assert_within_one_rounding(run.fused[t][0], new_params, low, f"update_and_apply {at}")
       asserts.assert_trees_close(optax_lamb.trust_ratios(run.fused[t][1]), ratios)
 

@@ -26,6 +26,7 @@ import sys
 
 import dp_problem as prob
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -373,23 +374,43 @@ def test_one_axis_name_for_replicated_leaves_overcounts_the_global_norm():
 # --- axis_name resolution ---------------------------------------------------------------------
 
 
-def test_axis_name_forms_and_errors():
-  from optax_lamb import _tree
+FULL_FORMS = [  # (a short form of axis_name, the per-leaf tree it means)
+  (None, {"a": {"w": None, "b": None}, "c": None}),
+  ("x", {"a": {"w": "x", "b": "x"}, "c": "x"}),
+  (("x", "y"), {"a": {"w": ("x", "y"), "b": ("x", "y")}, "c": ("x", "y")}),
+  ({"a": ("x", "y"), "c": None}, {"a": {"w": ("x", "y"), "b": ("x", "y")}, "c": None}),
+  (lambda p: {"a": {"w": "x", "b": None}, "c": "x"}, {"a": {"w": "x", "b": None}, "c": "x"}),
+]
 
-  params = {"a": {"w": 0.0, "b": 0.0}, "c": 0.0}
-  assert _tree.resolve_axis_names(None, params) == [None] * 3
-  assert _tree.resolve_axis_names("d", params) == ["d"] * 3
-  assert _tree.resolve_axis_names(("x", "y"), params) == [("x", "y")] * 3
-  assert _tree.resolve_axis_names({"a": ("x", "y"), "c": None}, params) == [("x", "y")] * 2 + [None]
-  assert _tree.resolve_axis_names(lambda p: {"a": {"w": "d", "b": None}, "c": "d"}, params) == [
-    None,
-    "d",
-    "d",
-  ]  # leaves in key order: a.b, a.w, c
-  with pytest.raises(ValueError, match="axis_name"):
-    _tree.resolve_axis_names({"a": "d"}, params)
-  with pytest.raises(ValueError, match="axis_name must be None, a str or a tuple of str"):
-    _tree.resolve_axis_names({"a": 3, "c": None}, params)
+
+def test_axis_name_forms_name_the_same_leaves():
+  """Each form of axis_name psums the norms of the leaves its per-leaf tree names, on a 2x4 mesh."""
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(0)
+  params = {"a": {"w": rng.normal(size=4), "b": rng.normal(size=4)}, "c": rng.normal(size=4)}
+  params = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+
+  def updates(axis_name):  # leaves split over x, replicated over y
+    tx = optax_lamb.lamb(1e-2, weight_decay=0.1, max_grad_norm=0.1, axis_name=axis_name)
+    step = lambda p: tx.update(p, tx.init(p), p)[0]
+    specs = dict(in_specs=P("x"), out_specs=P("x"), check_vma=False)  # y: replicated, psum too
+    return jax.jit(jax.shard_map(step, mesh=mesh, **specs))(params)
+
+  results = [(updates(short), updates(full)) for short, full in FULL_FORMS]
+  for short, full in results:
+    assert prob.max_abs_diff(short, full) == 0.0
+  # the names change the result: local norms (None) against the leaf's (x), and in part (last)
+  assert prob.max_abs_diff(results[0][0], results[1][0]) > 1e-4
+  assert prob.max_abs_diff(results[1][0], results[-1][0]) > 1e-4
+
+
+def test_axis_name_that_does_not_fit_the_params():
+  params = {"a": {"w": jnp.ones(2), "b": jnp.ones(2)}, "c": jnp.ones(2)}
+  tx = optax_lamb.lamb(1e-2, axis_name={"a": "d"})
+  with pytest.raises(ValueError, match=r"structure of axis_name does not match params"):
+    tx.update(params, tx.init(params), params)
+  with pytest.raises(TypeError, match=r"axis_name must be None, .*got axis_name\['a'\]=3"):
+    optax_lamb.lamb(1e-2, axis_name={"a": 3, "c": None})
 
 
 # --- the example -------------------------------------------------------------------------------
