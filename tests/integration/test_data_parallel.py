@@ -419,7 +419,7 @@ def test_axis_name_that_does_not_fit_the_params():
 def test_example_runs_on_eight_devices():
   """examples/data_parallel.py on the 8 fake CPU devices, a few steps, in a subprocess."""
   pytest.importorskip("flax")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ)  # carries conftest's XLA_FLAGS (8 devices)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
   result = subprocess.run(
