@@ -203,11 +203,10 @@ class Conformance:
       asserts.assert_close_to_reference(
         got[name], want, rtol=asserts.IMPLEMENTATION_RTOL, atol=atol, err_msg=f"{case} {name}"
       )
-    ref = ref_run.ref
-    ratio_rtol = asserts.IMPLEMENTATION_RTOL + ref.storage_ratio_rtol + ref.float32_constants_rtol
     for name, r in by_path(optax_lamb.trust_ratios(run.states[-1])).items():
+      rtol = runs.ratio_rtol(ref_run, name, asserts.IMPLEMENTATION_RTOL, float64=True)
       want = ref_run.ref.ratios[name]
-      asserts.assert_close_to_reference(r, want, rtol=ratio_rtol, atol=0, err_msg=name)
+      asserts.assert_close_to_reference(r, want, rtol=rtol, atol=0, err_msg=name)
 
   # ------------------------------------------------------------- the other implementations
 
