@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import chex
 import jax
@@ -84,9 +85,11 @@ LOW_PRECISION_SHAPES = {"w": (16, 40), "k": (5, 20), "b": (37,)}
 LOW_PRECISION_STEPS = 3
 
 
-class LowPrecisionRun:
-  def __init__(self, params, grads, steps, fused):
-    self.params, self.grads, self.steps, self.fused = params, grads, steps, fused
+class LowPrecisionRun(NamedTuple):
+  params: dict
+  grads: list
+  steps: list  # (updates, params, state) after each step of update + apply_updates
+  fused: list  # (params, state) after each step of update_and_apply
 
 
 @functools.cache
