@@ -24,7 +24,7 @@ import optax
 
 import optax_lamb
 from benchmarks import step as bench
-from optax_lamb.backends.pallas import BlockSizes, options
+from optax_lamb.backends.pallas import BlockSizes, PallasBackend
 
 LR, WD = 1e-3, 0.01
 VARIANTS = {
@@ -91,21 +91,20 @@ def main(argv=None):
     }
     runs = [(impl, None, tx, make) for impl, (tx, make) in baselines.items()]
     for variant in args.variants:
-      sizes = BlockSizes(**VARIANTS[variant])
-      tx = optax_lamb.lamb(LR, weight_decay=WD, implementation="pallas")
-      runs += [("pallas.update", (variant, sizes), tx, bench._update_then_apply)]
-      runs += [("pallas.apply", (variant, sizes), tx, bench._update_and_apply)]
+      backend = PallasBackend(block_sizes=BlockSizes(**VARIANTS[variant]))
+      tx = optax_lamb.lamb(LR, weight_decay=WD, implementation=backend)
+      runs += [("pallas.update", variant, tx, bench._update_then_apply)]
+      runs += [("pallas.apply", variant, tx, bench._update_and_apply)]
     for impl, variant, tx, make in runs:
       state = tx.init(params)
       try:
-        with options(block_sizes=None if variant is None else variant[1]):
-          ms, fusions, customs, (params, _) = device_ms(
-            make(tx), params, state, grads, args.inner, args.runs
-          )
+        ms, fusions, customs, (params, _) = device_ms(
+          make(tx), params, state, grads, args.inner, args.runs
+        )
       except Exception as e:  # record and go on
-        log(f"{name} {impl} {variant and variant[0]}: {type(e).__name__}: {str(e)[:300]}")
+        log(f"{name} {impl} {variant}: {type(e).__name__}: {str(e)[:300]}")
         continue
-      row = dict(case=name, impl=impl, variant=variant and variant[0], ms=ms, fusions=fusions,
+      row = dict(case=name, impl=impl, variant=variant, ms=ms, fusions=fusions,
                  custom_calls=customs)  # fmt: skip
       log(row)
       rows.append(row)

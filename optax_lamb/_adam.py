@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _tree
+from optax_lamb import _check_args, _leaf, _tree
 
 
 def scale_by_adam(
@@ -68,12 +68,12 @@ def scale_by_adam(
     del params
     _tree.check_same_structure(updates, "updates", state.mu, "the optimizer state (mu)")
     count = optax.safe_increment(state.count)
-    bc1, bc2 = _math.bias_corrections(count, b1, b2, bias_correction)
+    bc1, bc2 = _leaf.bias_corrections(count, b1, b2, bias_correction)
+    h = _leaf.Hyperparams(b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2)
 
     def leaf(g, m, v):
-      m, v = _math.update_moments(g, m, v, b1, b2)
-      u = _math.adam_direction(m, v, bc1, bc2, eps, eps_root)
-      return u.astype(g.dtype), m, v
+      m, v = _leaf.moments(g, m, v, h)
+      return _leaf.adam_direction(m, v, h).astype(g.dtype), m, v
 
     out = jax.tree.map(leaf, updates, state.mu, state.nu)
     u, mu, nu = _tree.tree_unzip(out, jax.tree.structure(updates), 3)

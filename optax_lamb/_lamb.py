@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import optax
 
 from optax_lamb import _check_args, _dispatch, _loss_scale, _prologue, _skip
@@ -87,8 +88,10 @@ def lamb(
       ``shard_map``, else the XLA path; the rules are in ``optax_lamb/_dispatch.py``),
       ``"xla"`` (two fused passes over memory per leaf), ``"pallas"`` (Triton
       kernels over buckets of leaves; compiled and validated on an H100 with
-      jax 0.11.2; without a GPU they run in Pallas interpret mode, slowly) or
-      ``"reference"`` (the plain chain of stages, slower). Same values and state.
+      jax 0.11.2; without a GPU they run in Pallas interpret mode, slowly),
+      ``"reference"`` (the plain chain of stages, slower), or a configured backend
+      object such as ``optax_lamb.backends.pallas.PallasBackend(block_sizes=...)``.
+      Same values and state.
     skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
     grad_scale: divide the gradients by this loss scale before anything else: a
@@ -119,7 +122,7 @@ def lamb(
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
   # b1, b2, eps, eps_root, bias_correction, mu_dtype, nu_dtype are checked by scale_by_adam,
-  # weight_decay and mask by add_decayed_weights, when the stages are built below.
+  # weight_decay and mask by add_decayed_weights, when the reference chain is built.
   _check_args.check_non_negative("learning_rate", learning_rate, schedule=True)
   _check_args.check_per_leaf("trust_ratio_mask", trust_ratio_mask, "bool")
   _check_args.check_ratio_bounds(
@@ -129,10 +132,6 @@ def lamb(
     _check_args.check_positive("max_grad_norm", max_grad_norm)
   _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
   _check_args.check_axis_name("axis_name", axis_name)
-  _check_args.check_choice("implementation", implementation, _dispatch.IMPLEMENTATIONS)
-  _check_args.check_bool("skip_nonfinite", skip_nonfinite)
-  _check_args.check_bool("master_weights", master_weights)
-  _loss_scale.check_grad_scale(grad_scale)
   config = LambConfig(
     learning_rate=learning_rate,
     b1=b1,
@@ -148,44 +147,88 @@ def lamb(
     max_grad_norm=max_grad_norm,
     stacked_axes=stacked_axes,
     axis_name=axis_name,
+    mu_dtype=mu_dtype,
+    nu_dtype=nu_dtype,
   )
-  # The reference: the plain chain of stages. Its init is lamb's init on every backend.
-  stages = optax.chain(
-    clip_by_global_norm(max_grad_norm, axis_name=axis_name)
-    if max_grad_norm is not None
+  return build(
+    config,
+    implementation=implementation,
+    skip_nonfinite=skip_nonfinite,
+    grad_scale=grad_scale,
+    master_weights=master_weights,
+  )
+
+
+def reference_chain(config: LambConfig) -> optax.GradientTransformation:
+  """The plain chain of stages that computes lamb's step; its init is lamb's init on every backend."""
+  c = config
+  return optax.chain(
+    clip_by_global_norm(c.max_grad_norm, axis_name=c.axis_name)
+    if c.max_grad_norm is not None
     else optax.identity(),
     scale_by_adam(
-      b1, b2, eps, eps_root, bias_correction=bias_correction, mu_dtype=mu_dtype, nu_dtype=nu_dtype
+      c.b1,
+      c.b2,
+      c.eps,
+      c.eps_root,
+      bias_correction=c.bias_correction,
+      mu_dtype=c.mu_dtype,
+      nu_dtype=c.nu_dtype,
     ),
-    add_decayed_weights(weight_decay, mask),
+    add_decayed_weights(c.weight_decay, c.mask),
     trust_ratio_stage(
       min_norm=0.0,
       trust_coefficient=1.0,
       eps=0.0,
-      mask=trust_ratio_mask,
-      min_ratio=min_trust_ratio,
-      max_ratio=max_trust_ratio,
-      stacked_axes=stacked_axes,
-      axis_name=axis_name,
+      mask=c.trust_ratio_mask,
+      min_ratio=c.min_trust_ratio,
+      max_ratio=c.max_trust_ratio,
+      stacked_axes=c.stacked_axes,
+      axis_name=c.axis_name,
       mask_name="trust_ratio_mask",
     ),
-    optax.scale_by_learning_rate(learning_rate),
+    optax.scale_by_learning_rate(c.learning_rate),
   )
 
-  def step(grads, state, params, *, apply):
-    return _dispatch.step(config, stages, implementation, grads, state, params, apply=apply)
+
+def build(
+  config: LambConfig,
+  *,
+  implementation: Any = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """The transformation of a checked `config`, on `implementation`, behind the wrappers asked for."""
+  _dispatch.check_implementation(implementation)
+  _check_args.check_bool("skip_nonfinite", skip_nonfinite)
+  _check_args.check_bool("master_weights", master_weights)
+  _loss_scale.check_grad_scale(grad_scale)
+  stages = reference_chain(config)
+
+  if implementation == "reference":
+
+    def step(grads, state, params, *, apply):
+      updates, state = stages.update(grads, state, params)
+      updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+      return (optax.apply_updates(params, updates) if apply else updates), state
+
+  else:
+
+    def step(grads, state, params, *, apply):
+      return _dispatch.step(config, implementation, grads, state, params, apply=apply)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     return step(updates, state, params, apply=False)
 
   tx = optax.GradientTransformationExtraArgs(stages.init, update_fn)
-  wrapped = master_weights or skip_nonfinite
   if master_weights:
     tx = with_master_weights(tx)
   if skip_nonfinite:
-    tx = _skip.skip_nonfinite(tx, axis_name=axis_name)
+    tx = _skip.skip_nonfinite(tx, axis_name=config.axis_name)
   # update_and_apply writes the new params in the last pass; with a wrapper in between it
   # falls back to update + apply_updates.
+  wrapped = master_weights or skip_nonfinite
   fused_apply = None if wrapped else functools.partial(step, apply=True)
   return _prologue.with_prologue(tx, who="lamb", grad_scale=grad_scale, fused_apply=fused_apply)

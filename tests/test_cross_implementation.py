@@ -22,16 +22,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optax_lamb
-from optax_lamb import _dispatch
-from optax_lamb.backends.pallas import chunks
+from optax_lamb.backends.pallas import BlockSizes, PallasBackend
 
-IMPLEMENTATIONS = ("xla", "reference", "pallas")
 STEPS = 3
 RTOL, ATOL = 1e-5, 1e-7  # README: every implementation equals the XLA path to rtol 1e-5
 # Tiny launches: 16-element chunks, 2 leaves per launch, pass 2 by XLA from 48 elements.
-BLOCK_SIZES = chunks.BlockSizes(
-  block=16, max_leaves_per_call=2, num_warps=4, sum_block=16, xla_pass2_min_size=48
+PALLAS = PallasBackend(
+  block_sizes=BlockSizes(
+    block=16, max_leaves_per_call=2, num_warps=4, sum_block=16, xla_pass2_min_size=48
+  ),
+  interpret=True,
 )
+IMPLEMENTATIONS = {"xla": "xla", "reference": "reference", "pallas": PALLAS}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 decay_matrices = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
@@ -115,7 +117,10 @@ def assert_agree(got, want, name):
 def test_implementations_agree_step_by_step(kwargs, leaves, seed):
   params, grads = make_tree(leaves, seed)
   lr = kwargs.pop("learning_rate")
-  txs = {impl: optax_lamb.lamb(lr, implementation=impl, **kwargs) for impl in IMPLEMENTATIONS}
+  txs = {
+    name: optax_lamb.lamb(lr, implementation=impl, **kwargs)
+    for name, impl in IMPLEMENTATIONS.items()
+  }
 
   @_fast_compile.jit
   def step(params, state, g):
@@ -127,20 +132,18 @@ def test_implementations_agree_step_by_step(kwargs, leaves, seed):
     return out
 
   state = txs["xla"].init(params)
-  _dispatch._REPORTED.clear()  # each example reports its fallbacks afresh
-  with chunks.options(block_sizes=BLOCK_SIZES, interpret=True):
-    for t, g in enumerate(grads):
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = step(params, state, g)
-      # the kernels ran (only "interpret mode is slow" may be said), no fallback to XLA
-      assert not [w for w in caught if "XLA path" in str(w.message)], caught
-      for impl in ("reference", "pallas"):
-        for name, got, want in zip(
-          ("updates", "params", "state"), out[impl], out["xla"], strict=True
-        ):
-          assert_agree(got, want, f"step {t + 1}: {impl} {name} vs xla ")
-      ratios = [optax_lamb.trust_ratios(out[impl][2]) for impl in IMPLEMENTATIONS]
-      for r in ratios[1:]:
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL), r, ratios[0])
-      _, params, state = out["xla"]
+  for t, g in enumerate(grads):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      out = step(params, state, g)
+    # the kernels ran (only "interpret mode is slow" may be said), no fallback to XLA
+    assert not [w for w in caught if "xla path" in str(w.message)], caught
+    for impl in ("reference", "pallas"):
+      for name, got, want in zip(
+        ("updates", "params", "state"), out[impl], out["xla"], strict=True
+      ):
+        assert_agree(got, want, f"step {t + 1}: {impl} {name} vs xla ")
+    ratios = [optax_lamb.trust_ratios(out[impl][2]) for impl in IMPLEMENTATIONS]
+    for r in ratios[1:]:
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL), r, ratios[0])
+    _, params, state = out["xla"]

@@ -1,6 +1,5 @@
 """The fused XLA path: equal to the stage chain and to a float64 NumPy LAMB, same state, no big temporaries."""
 
-import contextlib
 import functools
 import warnings
 
@@ -21,7 +20,7 @@ from option_cases import (
 from option_cases import build as _build
 
 import optax_lamb
-from optax_lamb.backends import xla as _xla
+from optax_lamb.backends.xla import XlaBackend
 
 # ------------------------------------------------------------------------- helpers
 
@@ -51,15 +50,8 @@ def assert_trees_close(a, b, rtol, atol):
   )
 
 
-@contextlib.contextmanager
-def two_pass_for_every_leaf():
-  """Trace the fused path with the recompute-u design on every leaf, however small."""
-  saved = _xla._MATERIALISE_U_MAX_SIZE
-  _xla._MATERIALISE_U_MAX_SIZE = 0
-  try:
-    yield
-  finally:
-    _xla._MATERIALISE_U_MAX_SIZE = saved
+# The fused path with the recompute-u design on every leaf, however small.
+TWO_PASS = XlaBackend(materialize_u_max_size=0)
 
 
 @functools.cache
@@ -67,9 +59,8 @@ def _results(case):
   kwargs, _, scale = CASES[case]
   params = make_params()
   grads = [make_grads(params, t, scale) for t in range(STEPS)]
-  with two_pass_for_every_leaf():
-    xla = run(_build(kwargs, "xla"), params, grads)
-    apply = run(_build(kwargs, "xla"), params, grads, fused_apply=True)
+  xla = run(_build(kwargs, TWO_PASS), params, grads)
+  apply = run(_build(kwargs, TWO_PASS), params, grads, fused_apply=True)
   return {
     "params": params,
     "grads": grads,
@@ -129,10 +120,9 @@ def test_state_interchangeable_between_implementations():
   params = make_params()
   grads = [make_grads(params, t) for t in range(6)]
   kwargs = CASES["combined"][0]
-  fused, chain = _build(kwargs, "xla"), _build(kwargs, "reference")
-  with two_pass_for_every_leaf():
-    _interchange(fused, chain, params, grads)
-  _interchange(fused, chain, params, grads)
+  chain = _build(kwargs, "reference")
+  _interchange(_build(kwargs, TWO_PASS), chain, params, grads)
+  _interchange(_build(kwargs, "xla"), chain, params, grads)
 
 
 def _interchange(fused, chain, params, grads):
@@ -179,8 +169,7 @@ def test_mixed_dtypes_match_stage_chain():
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
   grads = [jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_grads(params, t)) for t in range(4)]
   kwargs = {"weight_decay": 0.01, "mu_dtype": jnp.float32, "nu_dtype": jnp.float32}
-  with two_pass_for_every_leaf():
-    p_xla, s_xla = run(_build(kwargs, "xla"), params, grads)
+  p_xla, s_xla = run(_build(kwargs, TWO_PASS), params, grads)
   p_ref, s_ref = run(_build(kwargs, "reference"), params, grads)
   assert jax.tree.map(lambda x: x.dtype, (p_xla, s_xla)) == jax.tree.map(
     lambda x: x.dtype, (p_ref, s_ref)
@@ -200,7 +189,7 @@ def test_axis_name_sharded_leaves_match_unsharded():
   grads = [make_grads(params, t) for t in range(4)]
   kwargs = {"weight_decay": 0.01, "max_grad_norm": 1.0, "min_trust_ratio": 0.1}
   want, _ = run(optax_lamb.lamb(LR, **kwargs), params, grads)
-  tx = optax_lamb.lamb(LR, axis_name="d", **kwargs)
+  tx = optax_lamb.lamb(LR, axis_name="d", implementation=TWO_PASS, **kwargs)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec)
@@ -210,8 +199,7 @@ def test_axis_name_sharded_leaves_match_unsharded():
       params, state = optax_lamb.update_and_apply(tx, g, state, params)
     return params
 
-  with two_pass_for_every_leaf():
-    got = sharded(params, *grads)
+  got = sharded(params, *grads)
   assert_trees_close(got, want, rtol=1e-5, atol=1e-7)
 
 

@@ -19,15 +19,18 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb.backends.pallas import chunks
+from optax_lamb.backends.pallas import BlockSizes, PallasBackend
 
 SEED = int(os.environ.get("PALLAS_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 LR, WEIGHT_DECAY, EPS, STEPS = 1e-2, 0.3, 1e-6, 3
 RTOL = 1e-5  # README: every implementation equals the XLA path to rtol 1e-5
 # Tiny blocks: several launches, and both kinds of pass 2 (the kernel below 256 elements,
 # the XLA computation above), as in tests/test_pallas.py.
-BLOCK_SIZES = chunks.BlockSizes(
-  block=128, max_leaves_per_call=3, num_warps=4, sum_block=16, xla_pass2_min_size=256
+PALLAS = PallasBackend(
+  block_sizes=BlockSizes(
+    block=128, max_leaves_per_call=3, num_warps=4, sum_block=16, xla_pass2_min_size=256
+  ),
+  interpret=True,
 )
 SHAPES = {"w": (16, 40), "k": (5, 20), "b": (37,)}
 
@@ -82,8 +85,8 @@ def test_pallas_xla_and_reference_agree_on_low_precision_params(dtype):
   params = make_params(dtype, SEED)
   grads = [make_grads(params, SEED + 1 + t) for t in range(STEPS)]
   txs = {
-    impl: optax_lamb.lamb(LR, weight_decay=WEIGHT_DECAY, implementation=impl)
-    for impl in ("reference", "xla", "pallas")
+    name: optax_lamb.lamb(LR, weight_decay=WEIGHT_DECAY, implementation=impl)
+    for name, impl in (("reference", "reference"), ("xla", "xla"), ("pallas", PALLAS))
   }
 
   def update(tx, p, s, g):
@@ -97,8 +100,8 @@ def test_pallas_xla_and_reference_agree_on_low_precision_params(dtype):
     return out, fused
 
   runs = {name: (params, txs["xla"].init(params)) for name in (*txs, "fused")}
-  with chunks.options(block_sizes=BLOCK_SIZES, interpret=True), warnings.catch_warnings():
-    warnings.filterwarnings("error", message=".*XLA path")  # the kernels ran, no fallback
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*xla path")  # the kernels ran, no fallback
     warnings.filterwarnings("ignore", message=".*interpret mode")
     for t, g in enumerate(grads):
       out, fused = step(runs, g)
