@@ -94,6 +94,36 @@ TFA = {
   "global_clip5_lr_decay": {"learning_rate": LR, "global_clipnorm": 5.0, "decay": 0.05},
 }
 
+# Constructor arguments each library refuses: name -> kwargs. The recording script records the
+# exception class each library raises; apex and DeepSpeed (amsgrad=True: RuntimeError) from source.
+REFUSED = {
+  "apex": {"amsgrad": {"amsgrad": True}, "unknown_argument": {"clamp_value": 10}},
+  "deepspeed": {"amsgrad": {"amsgrad": True}, "unknown_argument": {"trust_clip": True}},
+  "timm": {
+    "negative_lr": {"lr": -1.0},
+    "negative_eps": {"eps": -1e-6},
+    "negative_weight_decay": {"weight_decay": -0.1},
+    "unknown_argument": {"clamp_value": 10},
+  },
+  "torch_optimizer": {
+    "zero_lr": {"lr": 0.0},
+    "beta_one": {"betas": (1.0, 0.999)},
+    "negative_clamp_value": {"clamp_value": -1.0},
+    "unknown_argument": {"max_grad_norm": 1.0},
+  },
+  "keras": {
+    "int_learning_rate": {"learning_rate": 1},
+    "two_clips": {"clipnorm": 1.0, "global_clipnorm": 1.0},
+    "unknown_argument": {"weight_decay_mask": None},
+  },
+  "tfa": {
+    "zero_epsilon": {"epsilon": 0.0},
+    "negative_lr_alias": {"lr": -1.0},
+    "two_clips": {"clipnorm": 1.0, "global_clipnorm": 1.0},
+    "unknown_argument": {"max_grad_norm": 1.0},
+  },
+}
+
 CASES = {
   "apex": APEX,
   "deepspeed": DEEPSPEED,

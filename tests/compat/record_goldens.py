@@ -101,9 +101,15 @@ def _record_torch(library: str, case: str, kwargs: dict):
 # --- Keras 3 (jax backend) --------------------------------------------------------------------
 
 
-def _record_keras(case: str, kwargs: dict):
+def _import_keras():
   os.environ["KERAS_BACKEND"] = "jax"
   import keras
+
+  return keras
+
+
+def _record_keras(case: str, kwargs: dict):
+  keras = _import_keras()
 
   kwargs = dict(kwargs)
   if case in cases.SCHEDULED["keras"]:
@@ -149,6 +155,28 @@ def _record_tfa(case: str, kwargs: dict):
 # --- driver -------------------------------------------------------------------------------------
 
 
+def _refusals(library: str) -> dict[str, str]:
+  """The exception class each of cases.REFUSED[library] raises (or 'accepted')."""
+  if library in ("timm", "torch_optimizer"):
+    import torch
+
+    make = lambda **kw: _torch_optimizer_class(library)([torch.nn.Parameter(torch.zeros(2))], **kw)
+  elif library == "keras":
+    make = _import_keras().optimizers.Lamb
+  else:
+    import tensorflow_addons as tfa
+
+    make = tfa.optimizers.LAMB
+  found = {}
+  for name, kwargs in cases.REFUSED[library].items():
+    try:
+      make(**kwargs)
+      found[name] = "accepted"
+    except Exception as error:  # noqa: BLE001 (recording which class each refusal raises)
+      found[name] = type(error).__name__
+  return found
+
+
 def _versions(library: str) -> dict[str, str]:
   from importlib.metadata import version
 
@@ -190,6 +218,7 @@ def record(library: str) -> dict[str, float]:
     "steps": problem.STEPS,
     "cases": cases.CASES[library],
     "scheduled": sorted(cases.SCHEDULED.get(library, ())),
+    "refused": _refusals(library),
   }
   (GOLDENS / f"{library}.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
   return timings

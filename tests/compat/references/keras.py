@@ -29,14 +29,25 @@ exclude_from_weight_decay(var_list, var_names): var_names are joined into one re
 '|'.join(set(var_names)) and re.search'ed in the variable's *name* (its last path component:
 'bias', not 'dense/bias'); var_list excludes variables by identity (here: by path). It must be
 called before the optimizer is built (ValueError). Refused: a learning_rate that is neither a
-float, a schedule nor a callable (an int: ValueError); more than one clip option (ValueError).
+float, a schedule nor a callable (an int: ValueError); more than one clip option (ValueError);
+an unknown keyword (ValueError, not TypeError). `decay` is accepted, warned about and ignored.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
+
+# BaseOptimizer arguments this reference leaves out.
+_UNMODELLED = {
+  "use_ema",
+  "ema_momentum",
+  "ema_overwrite_frequency",
+  "loss_scale_factor",
+  "gradient_accumulation_steps",
+}
 
 
 class Lamb:
@@ -53,7 +64,16 @@ class Lamb:
     clipnorm=None,
     clipvalue=None,
     global_clipnorm=None,
+    name=None,
+    **kwargs,
   ):
+    if kwargs.pop("decay", None) is not None:
+      warnings.warn("Argument `decay` is no longer supported and will be ignored.")
+    unmodelled = _UNMODELLED & kwargs.keys()
+    if unmodelled:
+      raise NotImplementedError(f"this reference does not model {sorted(unmodelled)}")
+    if kwargs:
+      raise ValueError(f"Argument(s) not recognized: {kwargs}")
     if not callable(learning_rate) and not isinstance(learning_rate, float):
       raise ValueError(
         "Argument `learning_rate` should be float, or an instance of LearningRateSchedule, "
