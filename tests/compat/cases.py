@@ -49,7 +49,12 @@ TIMM = {
   "no_clip": {"lr": LR, "weight_decay": WD, "max_grad_norm": None},
   "clip5_no_bias_correction": {"lr": LR, "max_grad_norm": 5.0, "bias_correction": False},
   "no_averaging": {"lr": LR, "weight_decay": WD, "grad_averaging": False},
-  "always_adapt_trust_clip": {"lr": LR, "weight_decay": WD, "always_adapt": True, "trust_clip": True},
+  "always_adapt_trust_clip": {
+    "lr": LR,
+    "weight_decay": WD,
+    "always_adapt": True,
+    "trust_clip": True,
+  },
   "caution": {"lr": LR, "weight_decay": WD, "caution": True},
   "decoupled": {"lr": LR, "weight_decay": WD, "decoupled_decay": True},
   "decoupled_corrected_warmup": {

@@ -64,7 +64,9 @@ def _load_timm_lamb():
   package.__path__ = [str(optim_dir)]
   sys.modules["_timm_optim"] = package
   for name in ("_types", "_helpers", "lamb"):
-    file_spec = importlib.util.spec_from_file_location(f"_timm_optim.{name}", optim_dir / f"{name}.py")
+    file_spec = importlib.util.spec_from_file_location(
+      f"_timm_optim.{name}", optim_dir / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[file_spec.name] = module
     file_spec.loader.exec_module(module)

@@ -94,7 +94,9 @@ class FusedLAMB:
     for name, p in group["params"].items():
       if name not in grads:
         continue
-      state = self.state.setdefault(name, {"exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)})
+      state = self.state.setdefault(
+        name, {"exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)}
+      )
       # Stage 1: the kernel reads p only when decay != 0 (and uses 0 otherwise).
       p_read = p if decay != 0 else np.zeros_like(p)
       scaled_grad = np.asarray(grads[name], np.float64) / clip

@@ -21,7 +21,10 @@ Per call of apply(grads), with t = iterations + 1 and lr the learning rate at `i
                       (every variable first, before any update: outside the trust ratio, and
                       ||p|| below is the decayed one)
   m  <- m + (g - m)(1 - beta_1),   v <- v + (g^2 - v)(1 - beta_2)
-  u   = (m / (1 - beta_1^t)) / (sqrt(v / (1 - beta_2^t)) + epsilon)
+  u   = (m / (1 - beta_1^t)) / (sqrt(v / (1 - beta_2^t)) + epsilon)    the powers take beta cast
+        to the variable's dtype (float32: 0.999 -> 0.99900001), the moments the Python float; so
+        for float32 variables 1 - beta_2^1 is 1.3e-5 off 1 - beta_2, and the first update of a
+        leaf 6e-6 off. This reference keeps each variable's dtype for that cast only.
   r   = ||p|| / ||u|| (1 if either is 0)       every variable adapts
   p  <- p - r lr u
 
@@ -51,7 +54,10 @@ _UNMODELLED = {
 
 
 class Lamb:
-  """keras.optimizers.Lamb on `variables`, a dict path -> array (names: the last component)."""
+  """keras.optimizers.Lamb on `variables`, a dict path -> array (names: the last component).
+
+  Computes in float64; each variable's own dtype only rounds the betas of the bias corrections.
+  """
 
   def __init__(
     self,
@@ -68,7 +74,7 @@ class Lamb:
     **kwargs,
   ):
     if kwargs.pop("decay", None) is not None:
-      warnings.warn("Argument `decay` is no longer supported and will be ignored.")
+      warnings.warn("Argument `decay` is no longer supported and will be ignored.", stacklevel=2)
     unmodelled = _UNMODELLED & kwargs.keys()
     if unmodelled:
       raise NotImplementedError(f"this reference does not model {sorted(unmodelled)}")
@@ -89,6 +95,7 @@ class Lamb:
     self.weight_decay = weight_decay
     self.clipnorm, self.clipvalue, self.global_clipnorm = clipnorm, clipvalue, global_clipnorm
     self.params = {name: np.array(value, np.float64) for name, value in variables.items()}
+    self.dtypes = {name: np.asarray(value).dtype for name, value in variables.items()}
     self.iterations = 0
     self.built = False
     self._excluded_paths: set[str] = set()
@@ -117,7 +124,9 @@ class Lamb:
 
   def _clip_gradients(self, grads):
     if self.clipnorm and self.clipnorm > 0:
-      return {n: g * self.clipnorm / max(np.linalg.norm(g), self.clipnorm) for n, g in grads.items()}
+      return {
+        n: g * self.clipnorm / max(np.linalg.norm(g), self.clipnorm) for n, g in grads.items()
+      }
     if self.global_clipnorm and self.global_clipnorm > 0:
       norm = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
       with np.errstate(divide="ignore"):
@@ -144,7 +153,9 @@ class Lamb:
       p, m, v = self.params[name], self.m[name], self.v[name]
       m += (g - m) * (1 - self.beta_1)
       v += (g * g - v) * (1 - self.beta_2)
-      update = (m / (1.0 - self.beta_1**t)) / (np.sqrt(v / (1.0 - self.beta_2**t)) + self.epsilon)
+      # ops.power(ops.cast(beta, variable.dtype), t): the powers use beta in the variable's dtype
+      beta_1, beta_2 = (float(np.asarray(b, self.dtypes[name])) for b in (self.beta_1, self.beta_2))
+      update = (m / (1.0 - beta_1**t)) / (np.sqrt(v / (1.0 - beta_2**t)) + self.epsilon)
       w_norm, g_norm = np.linalg.norm(p), np.linalg.norm(update)
       ratio = w_norm / g_norm if w_norm > 0 and g_norm > 0 else 1.0
       p -= ratio * lr * update

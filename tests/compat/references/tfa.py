@@ -64,7 +64,9 @@ class LAMB:
     **kwargs,
   ):
     if "weight_decay_rate" in kwargs:
-      warnings.warn("weight_decay_rate has been renamed to weight_decay", DeprecationWarning)
+      warnings.warn(
+        "weight_decay_rate has been renamed to weight_decay", DeprecationWarning, stacklevel=2
+      )
       weight_decay = kwargs.pop("weight_decay_rate")
     for key, value in kwargs.items():
       if key not in _ALLOWED_KWARGS:
@@ -103,7 +105,9 @@ class LAMB:
     if self.clipvalue is not None:
       grads = {n: np.clip(g, -self.clipvalue, self.clipvalue) for n, g in grads.items()}
     if self.clipnorm is not None:
-      grads = {n: g * self.clipnorm / max(np.linalg.norm(g), self.clipnorm) for n, g in grads.items()}
+      grads = {
+        n: g * self.clipnorm / max(np.linalg.norm(g), self.clipnorm) for n, g in grads.items()
+      }
     if self.global_clipnorm is not None:
       norm = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
       with np.errstate(divide="ignore"):

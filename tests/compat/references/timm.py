@@ -112,7 +112,9 @@ class Lamb:
         g = np.asarray(grads[name], np.float64)
         if clip is not None:
           g = g / clip
-        state = self.state.setdefault(name, {"exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)})
+        state = self.state.setdefault(
+          name, {"exp_avg": np.zeros_like(p), "exp_avg_sq": np.zeros_like(p)}
+        )
         m = state["exp_avg"] = beta1 * state["exp_avg"] + beta3 * g
         v = state["exp_avg_sq"] = beta2 * state["exp_avg_sq"] + (1 - beta2) * g * g
         update = (m / bc1) / (np.sqrt(v) / bc2**0.5 + group["eps"])
