@@ -5,7 +5,7 @@ are identical in the keras 3.15.1 wheel):
   keras/src/optimizers/lamb.py            lines 38-72 (__init__), 89-132 (update_step)
   keras/src/optimizers/base_optimizer.py  lines 68-138 (BaseOptimizer.__init__: one clip option
                                           at most), 168-193 (learning_rate: float, schedule or
-                                          callable), 466-533 (apply), 535-596 (the order: clip,
+                                          callable), 466-533 (apply), 535-594 (the order: clip,
                                           decay, update), 777-786 (the current learning rate),
                                           870-881 (_clip_gradients), 883-959 (weight decay and
                                           its exclusions), 1108-1119 (_clip_by_norm),
