@@ -115,7 +115,7 @@ DIFFERENT = [
   ("keras", "defaults", "keras", "decay"),
   ("tfa", "decay", "tfa", "separate_adaptation"),
   ("tfa", "decay", "tfa", "no_exclusions"),
-  ("tfa", "decay", "keras", "decay"),  # decay inside the ratio / outside it, before the step
+  ("tfa", "decay", "keras", "decay"),  # excluded leaves adapt / not; decay inside the ratio / not
   ("timm", "no_clip", "tfa", "no_exclusions"),  # adapts only decayed leaves / every leaf
 ]
 
