@@ -77,6 +77,10 @@ PALLAS = PallasBackend(
   interpret=True,
 )
 IMPLEMENTATIONS = {"xla": "xla", "reference": "reference", "pallas": PALLAS}
+# conftest sets 8 host CPU devices; on a GPU host only the one-device test runs.
+eight_devices = pytest.mark.skipif(
+  jax.device_count() < N_DEVICES, reason=f"needs {N_DEVICES} devices (tests/conftest.py)"
+)
 
 
 def make_tx(implementation, **kwargs):
@@ -155,6 +159,7 @@ def moved_arrays(hlo_text: str, min_elements: int) -> list[str]:
   return found
 
 
+@eight_devices
 def test_moved_arrays_finds_a_gather():
   """The check can fail: a sharded array made replicated is one param-sized all-gather."""
   mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
@@ -187,6 +192,7 @@ def assert_sharded_like_params(trees: dict, specs: dict, mesh):
 # ------------------------------------------------------------------------- the table
 
 
+@eight_devices
 @pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("mesh_kind", list(MESH_KINDS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -196,6 +202,7 @@ def test_jitted_update_on_sharded_leaves(single_device, layout, mesh_kind, imple
   tx = make_tx(IMPLEMENTATIONS[implementation])
   put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
   with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.filterwarnings("error", "(?s).*optax_lamb")  # no fallback (the later filter wins)
     warnings.filterwarnings("ignore", "(?s).*Pallas interpret mode")
     params, grads = put(PARAMS), put(GRADS)
     state = tx.init(params)
@@ -210,7 +217,9 @@ def test_jitted_update_on_sharded_leaves(single_device, layout, mesh_kind, imple
   assert_matches(updates, state, single_device)
   trees = {"updates": updates, "mu": state[1].mu, "nu": state[1].nu}
   assert_sharded_like_params(trees, specs, mesh)
-  assert moved_arrays(compiled.as_text(), SMALLEST_LEAF) == []
+  text = compiled.as_text()
+  assert moved_arrays(text, SMALLEST_LEAF) == []
+  assert ("moments_and_norms" in text) == (implementation == "pallas")  # the kernels ran
 
 
 def test_the_problem_clips_and_adapts(single_device):
@@ -221,6 +230,7 @@ def test_the_problem_clips_and_adapts(single_device):
   assert all(np.all(np.abs(np.asarray(r) - 1) > 1e-3) for r in ratios)
 
 
+@eight_devices
 @pytest.mark.parametrize("mesh_kind", list(MESH_KINDS))
 def test_update_and_apply_and_master_weights_keep_shardings(single_device, mesh_kind):
   """The fused apply writes sharded params; master weights keep their params' shardings."""
@@ -254,6 +264,7 @@ def test_update_and_apply_and_master_weights_keep_shardings(single_device, mesh_
 # ------------------------------------------------------------------------- pmap, shard_map
 
 
+@eight_devices
 @pytest.mark.skipif(not hasattr(jax, "pmap"), reason="this jax has no jax.pmap")
 @pytest.mark.parametrize("implementation", ["reference", "pallas"])
 def test_pmap_replicated(single_device, implementation):
@@ -266,7 +277,9 @@ def test_pmap_replicated(single_device, implementation):
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "(?s).*Pallas interpret mode")
     state = with_moments(jax.pmap(tx.init)(copies(PARAMS)), copies(MU), copies(NU))
-    updates, state = jax.pmap(tx.update, axis_name="d")(copies(GRADS), state, copies(PARAMS))
+    args = (copies(GRADS), state, copies(PARAMS))
+    lowered = jax.pmap(tx.update, axis_name="d").lower(*args)
+    updates, state = lowered.compile(_fast_compile.options() or None)(*args)
   first = lambda tree: jax.tree.map(lambda v: np.asarray(v)[0], tree)
   assert_matches(first(updates), first(state), single_device)
 
@@ -279,6 +292,7 @@ def norm_axes(spec: P, stacked_axes: int):
   return axes or None
 
 
+@eight_devices
 @pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
 def test_shard_map_2d_mesh(single_device, implementation):
   """Inside shard_map each leaf names the mesh axes it is sharded on (a tuple on a 2-D mesh).
@@ -352,6 +366,7 @@ def pallas_update_warns(mesh, specs, transform=lambda f: f) -> tuple[dict, list[
   return updates, messages
 
 
+@eight_devices
 def test_mixed_axis_types_fall_back_to_xla(single_device):
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
   updates, messages = pallas_update_warns(mesh, LAYOUTS["fsdp"][2])
@@ -361,6 +376,7 @@ def test_mixed_axis_types_fall_back_to_xla(single_device):
     np.testing.assert_allclose(updates[k], single_device[0][k], rtol=RTOL, atol=ATOL)
 
 
+@eight_devices
 def test_vmap_on_an_auto_mesh_falls_back_to_xla(single_device):
   """custom_partitioning has no batching rule: a vmapped step on an Auto mesh runs on XLA."""
   mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
@@ -376,6 +392,7 @@ def test_vmap_on_an_auto_mesh_falls_back_to_xla(single_device):
     np.testing.assert_allclose(updates[k][0], single_device[0][k], rtol=RTOL, atol=ATOL)
 
 
+@eight_devices
 def test_uneven_shards_on_an_auto_mesh_take_that_axis_whole():
   """A sharding the compiler picks that does not divide a leaf: the kernels take that axis whole."""
   mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
@@ -393,6 +410,7 @@ def test_uneven_shards_on_an_auto_mesh_take_that_axis_whole():
   np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+@eight_devices
 def test_auto_on_several_gpus_stays_on_xla(monkeypatch, caplog):
   """Until the GPU figures measure the kernels per device, auto keeps several GPUs on XLA."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
