@@ -102,9 +102,10 @@ def _replicated(x: jax.Array) -> jax.Array:
   There a stacked leaf's ratios carry the sharding of its stacked axes, and
   ``concatenate`` takes operands of one sharding only; the gather is ratio-sized.
   """
-  spec = getattr(jax.typeof(x).sharding, "spec", ())
-  if any(entry is not None for entry in spec):
-    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+  sharding = jax.typeof(x).sharding
+  if any(entry is not None for entry in getattr(sharding, "spec", ())):
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.reshard(x, replicated)
   return x
 
 

@@ -10,7 +10,8 @@ The step, from the plan (`optax_lamb._plan`), for the tree's leaves:
 3. `pass2` in buckets, or, for large leaves in ``tx.update``, its jnp twin,
    which XLA fuses with the caller's ``optax.apply_updates``.
 
-Leaves without layer adaptation skip pass 1: pass 2 does them in one pass from
+Under ``jax.jit`` over sharded arrays this runs on each device's shards
+(`optax_lamb.backends.per_device`). Leaves without layer adaptation skip pass 1: pass 2 does them in one pass from
 g, m, v. Where the moments are stored narrower than float32, pass 1 only reads
 and pass 2 recomputes them from g and the old moments, so the update uses the
 unrounded moments, as the XLA path and optax do.
