@@ -8,11 +8,29 @@ should not take it (`auto_reason`) and which steps it cannot compute
   GPU backend, one device or the local shards inside ``shard_map``/``pmap``, a
   jax whose Pallas has its Triton backend, leaves the kernels take), else XLA;
   the choice is logged (INFO, logger ``optax_lamb``) when the step is traced.
+  Under ``jax.jit`` on several GPUs ``auto`` stays on XLA: the kernels run
+  per device there, but their speed on several GPUs is not measured yet.
 * ``"pallas"`` or a configured backend object: that backend (the kernels run in
   interpret mode without a GPU, with a warning), falling back to XLA with a
-  warning where it cannot compute the step.
-* ``"xla"``: the fused XLA path. ``"reference"`` (the chain of stages) is chosen
-  when the transformation is built (`optax_lamb._lamb`), never here.
+  warning where it cannot compute the step. Under ``jax.jit`` over sharded
+  arrays the kernels run on each device's shards
+  (`optax_lamb.backends.per_device`: ``shard_map`` on a mesh of Explicit axes,
+  ``custom_partitioning`` on one of Auto axes).
+* ``"xla"``: the fused XLA path; XLA partitions it under ``jax.jit``.
+  ``"reference"`` (the chain of stages) is chosen when the transformation is
+  built (`optax_lamb._lamb`), never here.
+
+The fallbacks of the kernels, each with its reason (`PallasBackend.auto_reason`
+and ``unsupported_reason``):
+
+* ``auto`` only: not a GPU backend; several devices outside ``shard_map``/``pmap``;
+* a jax without Pallas Triton, or whose Pallas fails to import;
+* params or moments other than float32, bfloat16, float16; gradients that are
+  not float32 after the cast (float64 under ``jax_enable_x64``);
+* a leaf of 2**31 - ``block`` elements or more (int32 offsets);
+* a mesh whose axes mix types (Explicit with Auto, or partly Manual);
+* ``vmap`` or differentiation of the step on a mesh of Auto axes
+  (``custom_partitioning`` has no batching or differentiation rule).
 
 Warnings point at the caller's line, however many wrappers sit in between.
 """

@@ -56,10 +56,10 @@ class RatioLayout:
     return self.offsets[-1]
 
   def join(self, ratios: list[jax.Array]) -> jax.Array:
-    """One float32 vector from the per-leaf ratios (in leaf order)."""
+    """One replicated float32 vector from the per-leaf ratios (in leaf order)."""
     if not ratios:  # a tree emptied by optax.masked
       return jnp.ones((0,), jnp.float32)
-    return jnp.concatenate([jnp.reshape(r, (-1,)).astype(jnp.float32) for r in ratios])
+    return jnp.concatenate([jnp.reshape(_replicated(r), (-1,)).astype(jnp.float32) for r in ratios])
 
   def pieces(self, vector: jax.Array) -> list[jax.Array]:
     """The per-leaf ratios (in leaf order, stacked shapes); leading batch axes (pmap, vmap) kept."""
@@ -94,6 +94,19 @@ class RatioLayout:
 
   def __hash__(self) -> int:
     return hash(RatioLayout)  # equal layouts must hash alike, the placeholder's included
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+  """`x` replicated where its type says it is sharded (a mesh of Explicit axes).
+
+  There a stacked leaf's ratios carry the sharding of its stacked axes, and
+  ``concatenate`` takes operands of one sharding only; the gather is ratio-sized.
+  """
+  sharding = jax.typeof(x).sharding
+  if any(entry is not None for entry in getattr(sharding, "spec", ())):
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.reshard(x, replicated)
+  return x
 
 
 class ScaleByTrustRatioState(NamedTuple):

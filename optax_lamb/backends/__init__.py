@@ -4,6 +4,8 @@ Each backend computes from the step plan (`optax_lamb._plan.StepPlan`) and the
 leaves' arrays, returns a `StepResult` (updates or new params, new moments, the
 ratio vector), and says where it runs (`auto_reason`) and which steps it cannot
 take (`unsupported_reason`): `xla.XlaBackend` (runs everywhere) and
-`pallas.PallasBackend` (Triton kernels; imported only when used). A configured
-instance may be passed as ``lamb(..., implementation=backend)``.
+`pallas.PallasBackend` (Triton kernels; imported only when used), whose step
+`per_device` runs on each device's shards under ``jax.jit`` (a ``pallas_call``
+is opaque to XLA's partitioner). A configured instance may be passed as
+``lamb(..., implementation=backend)``.
 """
