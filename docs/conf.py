@@ -42,7 +42,6 @@ napoleon_numpy_docstring = False
 
 html_theme = "sphinx_book_theme"
 html_title = f"optax-lamb {release}"
-html_static_path = ["_static"]
 html_theme_options = {"show_toc_level": 2, "use_download_button": False}
 
 
