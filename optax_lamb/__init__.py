@@ -37,3 +37,5 @@ __all__ = (
   "update_and_apply",
   "with_master_weights",
 )
+
+from optax_lamb import compat  # noqa: E402  (optax_lamb.compat: other libraries' LAMB)
