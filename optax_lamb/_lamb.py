@@ -210,9 +210,10 @@ def reference_chain(config: LambConfig) -> optax.GradientTransformation:
     u, adam_state = adam.update(g, adam_state, params)
     if c.caution:
       axes = jax.tree.leaves(_tree.resolve_stacked_axes(c.stacked_axes, params))
+      names = _tree.resolve_axis_names(c.axis_name, params)
       treedef = jax.tree.structure(u)
       us, gs = treedef.flatten_up_to(u), treedef.flatten_up_to(g)
-      fractions = [_leaf.caution_fraction(*x) for x in zip(us, gs, axes, strict=True)]
+      fractions = [_leaf.caution_fraction(*x) for x in zip(us, gs, axes, names, strict=True)]
       u = treedef.unflatten(map(_leaf.cautious, us, gs, fractions))
     ratio_params, shrink = params, None
     if placement == "direction":

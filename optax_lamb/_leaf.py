@@ -30,6 +30,7 @@ The variants other libraries compute (``optax_lamb.compat``) are fields of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -144,14 +145,17 @@ def add_decay(u, p, weight_decay):
   return (u + weight_decay * p.astype(jnp.promote_types(u.dtype, p.dtype))).astype(u.dtype)
 
 
-def caution_fraction(u, g, stacked_axes: int = 0):
+def caution_fraction(u, g, stacked_axes: int = 0, axis_name=None):
   """max(mean([u g > 0]), 1e-3) per leaf (or stacked slice), float32: caution's rescaling.
 
-  `u` is the Adam direction, `g` the gradient the moments saw (`moment_gradient`).
+  `u` is the Adam direction, `g` the gradient the moments saw (`moment_gradient`);
+  a leaf sharded over `axis_name` counts its elements on every shard.
   """
   keep = (u * g > 0).astype(jnp.float32)
-  mean = jnp.mean(keep, axis=tuple(range(stacked_axes, keep.ndim)))
-  return jnp.maximum(mean, CAUTION_MIN_FRACTION)
+  axes = tuple(range(stacked_axes, keep.ndim))
+  kept = _norms.psum_if(jnp.sum(keep, axis=axes), axis_name)
+  count = _norms.psum_if(jnp.asarray(math.prod(keep.shape[stacked_axes:]), jnp.float32), axis_name)
+  return jnp.maximum(kept / count, CAUTION_MIN_FRACTION)
 
 
 def cautious(u, g, fraction):

@@ -95,7 +95,7 @@ def _pass1(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays, materialize_max:
   kept = None
   if h.caution:  # a reduction over the leaf before u: the kernels do not compute it
     g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay)
-    kept = _leaf.caution_fraction(_leaf.adam_direction(m_c, v_c, h), g, k)
+    kept = _leaf.caution_fraction(_leaf.adam_direction(m_c, v_c, h), g, k, leaf.axis_name)
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
