@@ -236,8 +236,8 @@ def deepspeed_fused_lamb(
       \quad \text{(no bias correction inside u)} \\
     u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{eps\_inside\_sqrt: }
       m / \sqrt{v + \epsilon}) \\
-    r &= \min(\max(\|p\| / \|u\|, \ldots)) = \text{clip}(\|p\| / \|u\|, \text{min\_coeff},
-      \text{max\_coeff}) \quad (1, \text{unclamped, if either norm is } 0) \\
+    r &= \max(\min(\|p\| / \|u\|, \text{max\_coeff}), \text{min\_coeff}) \quad
+      (1, \text{unclamped, if either norm is } 0) \\
     p &\leftarrow p - \eta \sqrt{bc_2} / bc_1 \, r\, u \quad (\eta \text{ without bias\_correction})
 
   Every leaf adapts, decayed or not.
