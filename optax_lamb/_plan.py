@@ -54,8 +54,9 @@ class LambConfig:
   caution: bool = False  # timm's cautious update
 
   @property
-  def bias_correction_in_direction(self) -> bool:
-    return self.bias_correction and self.bias_correction_placement == "direction"
+  def bias_correction_in_direction(self) -> Any:
+    # lamb's own value as given: scale_by_adam checks it when the chain is built
+    return self.bias_correction if self.bias_correction_placement == "direction" else False
 
   @property
   def bias_correction_on_step_size(self) -> bool:
