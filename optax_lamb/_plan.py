@@ -47,7 +47,7 @@ class LambConfig:
   # The variants of other libraries (optax_lamb.compat); the defaults are lamb's.
   grad_averaging: bool = True  # False: m = b1 m + g
   weight_decay_placement: str = "direction"  # one of _leaf.DECAY_PLACEMENTS
-  decay_lr_max: Any = None  # "params": s = lr_t (None) or lr_t^2 / decay_lr_max
+  decay_base_lr: Any = None  # "params": s = lr_t (None), or lr_t^2 / decay_base_lr
   bias_correction_placement: str = "direction"  # or "step_size": lr sqrt(bc2) / bc1
   clip_norm_eps: float = 0.0  # the clip compares ||g|| + clip_norm_eps with max_grad_norm
   max_param_norm: Any = None  # clamp of ||p|| in the trust ratio
@@ -67,7 +67,7 @@ def decay_coefficient(config: LambConfig) -> Any:
   """What the decay stage multiplies p by each step: a float, array or schedule.
 
   The weight decay, or with decay placement "params" the fraction p shrinks by,
-  s wd with s = lr_t (Keras, timm ``decoupled_decay``) or lr_t^2 / decay_lr_max
+  s wd with s = lr_t (Keras, timm ``decoupled_decay``) or lr_t^2 / decay_base_lr
   (timm ``corrected_weight_decay``). A schedule where either factor is one; its
   count advances with the learning rate's, so both are read at the same step.
   """
@@ -78,7 +78,7 @@ def decay_coefficient(config: LambConfig) -> Any:
   def at(count):
     value = lambda x: x(count) if callable(x) else x
     lr = value(c.learning_rate)
-    scale = lr if c.decay_lr_max is None else lr * lr / c.decay_lr_max
+    scale = lr if c.decay_base_lr is None else lr * lr / c.decay_base_lr
     return value(c.weight_decay) * scale
 
   scheduled = callable(c.weight_decay) or callable(c.learning_rate)

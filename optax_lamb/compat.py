@@ -424,7 +424,7 @@ def timm_lamb(
     weight_decay=weight_decay,
     mask=weight_decay_mask,
     weight_decay_placement="params" if decoupled else "direction",
-    decay_lr_max=base_lr if corrected else None,
+    decay_base_lr=base_lr if corrected else None,
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
     trust_ratio_mask=_adapted_unless_undecayed(always_adapt, weight_decay, weight_decay_mask),
