@@ -30,11 +30,22 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
   """
   _check_args.check_positive("max_norm", max_norm)
   _check_args.check_axis_name("axis_name", axis_name)
+  return clip_stage(max_norm, axis_name)
+
+
+def clip_stage(
+  max_norm: Any, axis_name: Any, norm_eps: float = 0.0
+) -> optax.GradientTransformation:
+  """:func:`clip_by_global_norm` with checked arguments, and the variants of `_leaf.clip_factor`.
+
+  `max_norm` = 0 zeroes the gradients (apex, timm); `norm_eps` is added to the norm (DeepSpeed).
+  """
 
   def update_fn(updates, state, params=None):
     del params
     names = _tree.resolve_axis_names(axis_name, updates)
-    factor = _leaf.clip_factor(_norms.global_sq_norm(jax.tree.leaves(updates), names), max_norm)
+    sq_norm = _norms.global_sq_norm(jax.tree.leaves(updates), names)
+    factor = _leaf.clip_factor(sq_norm, max_norm, norm_eps)
     updates = jax.tree.map(lambda g: _leaf.clip(g, factor), updates)
     return updates, state
 

@@ -44,6 +44,45 @@ class LambConfig:
   axis_name: Any
   mu_dtype: Any = None
   nu_dtype: Any = None
+  # The variants of other libraries (optax_lamb.compat); the defaults are lamb's.
+  grad_averaging: bool = True  # False: m = b1 m + g
+  weight_decay_placement: str = "direction"  # one of _leaf.DECAY_PLACEMENTS
+  decay_base_lr: Any = None  # "params": s = lr_t (None), or lr_t^2 / decay_base_lr
+  bias_correction_placement: str = "direction"  # or "step_size": lr sqrt(bc2) / bc1
+  clip_norm_eps: float = 0.0  # the clip compares ||g|| + clip_norm_eps with max_grad_norm
+  max_param_norm: Any = None  # clamp of ||p|| in the trust ratio
+  caution: bool = False  # timm's cautious update
+
+  @property
+  def bias_correction_in_direction(self) -> Any:
+    # lamb's own value as given: scale_by_adam checks it when the chain is built
+    return self.bias_correction if self.bias_correction_placement == "direction" else False
+
+  @property
+  def bias_correction_on_step_size(self) -> bool:
+    return self.bias_correction and self.bias_correction_placement == "step_size"
+
+
+def decay_coefficient(config: LambConfig) -> Any:
+  """What the decay stage multiplies p by each step: a float, array or schedule.
+
+  The weight decay, or with decay placement "params" the fraction p shrinks by,
+  s wd with s = lr_t (Keras, timm ``decoupled_decay``) or lr_t^2 / decay_base_lr
+  (timm ``corrected_weight_decay``). A schedule where either factor is one; its
+  count advances with the learning rate's, so both are read at the same step.
+  """
+  c = config
+  if c.weight_decay_placement != "params":
+    return c.weight_decay
+
+  def at(count):
+    value = lambda x: x(count) if callable(x) else x
+    lr = value(c.learning_rate)
+    scale = lr if c.decay_base_lr is None else lr * lr / c.decay_base_lr
+    return value(c.weight_decay) * scale
+
+  scheduled = callable(c.weight_decay) or callable(c.learning_rate)
+  return at if scheduled else at(None)
 
 
 class LeafPlan(NamedTuple):
@@ -133,14 +172,17 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
   c, parts = config, LambStateParts.of(state)
   adam = parts.adam
   count = optax.safe_increment(adam.count)
-  bc1, bc2 = _leaf.bias_corrections(count, c.b1, c.b2, c.bias_correction)
-  weight_decay, decay_state = _schedule.value_and_next_state(c.weight_decay, parts.decay)
+  bc1, bc2 = _leaf.bias_corrections(count, c.b1, c.b2, c.bias_correction_in_direction)
+  weight_decay, decay_state = _schedule.value_and_next_state(decay_coefficient(c), parts.decay)
   learning_rate, lr_state = _schedule.value_and_next_state(c.learning_rate, parts.learning_rate)
+  step_size = -1 * learning_rate
+  if c.bias_correction_on_step_size:
+    step_size = step_size * _leaf.step_size_correction(*_leaf.bias_corrections(count, c.b1, c.b2))
   names = _tree.resolve_axis_names(c.axis_name, params)
   clip_factor = None
   if c.max_grad_norm is not None:
     sq_norm = _norms.global_sq_norm(jax.tree.leaves(grads), names)
-    clip_factor = _leaf.clip_factor(sq_norm, c.max_grad_norm)
+    clip_factor = _leaf.clip_factor(sq_norm, c.max_grad_norm, c.clip_norm_eps)
   hyper = _leaf.Hyperparams(
     b1=c.b1,
     b2=c.b2,
@@ -149,10 +191,14 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
     bc1=bc1,
     bc2=bc2,
     weight_decay=weight_decay,
-    step_size=-1 * learning_rate,
+    step_size=step_size,
     clip_factor=clip_factor,
     min_ratio=c.min_trust_ratio,
     max_ratio=c.max_trust_ratio,
+    grad_averaging=c.grad_averaging,
+    decay_placement=c.weight_decay_placement,
+    max_param_norm=c.max_param_norm,
+    caution=c.caution,
   )
 
   treedef = jax.tree.structure(params)

@@ -70,15 +70,28 @@ def scale_by_trust_ratio(
 
 
 def trust_ratio_stage(
-  min_norm, trust_coefficient, eps, mask, min_ratio, max_ratio, stacked_axes, axis_name, mask_name
+  min_norm,
+  trust_coefficient,
+  eps,
+  mask,
+  min_ratio,
+  max_ratio,
+  stacked_axes,
+  axis_name,
+  mask_name,
+  max_param_norm=None,
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`."""
+  """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`.
+
+  `max_param_norm` clamps ||p|| in the ratio (torch_optimizer's ``clamp_value``).
+  """
   h = _leaf.Hyperparams(
     min_ratio=min_ratio,
     max_ratio=max_ratio,
     min_norm=min_norm,
     trust_coefficient=trust_coefficient,
     ratio_eps=eps,
+    max_param_norm=max_param_norm,
   )
 
   def init_fn(params):

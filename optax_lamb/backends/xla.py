@@ -79,36 +79,47 @@ class _Pass1:
   p_sq: jax.Array  # squared norms per slice (zeros where the leaf does not adapt)
   u_sq: jax.Array
   u: jax.Array | None  # kept for the update (small leaves), else recomputed in pass 2
+  kept: jax.Array | None  # caution's kept fraction per slice (None without caution)
+
+
+def _direction(h, leaf: LeafPlan, x: LeafArrays, m, v, p, kept):
+  """u from the moments (`_leaf.direction`); with caution, masked by the moments' gradient."""
+  g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay) if h.caution else None
+  return _leaf.direction(m, v, p, h, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
 
 
 def _pass1(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays, materialize_max: int) -> _Pass1:
-  m_c, v_c = _leaf.moments(x.g, x.m, x.v, h)
+  m_c, v_c = _leaf.moments(x.g, x.m, x.v, h, p=x.p, decay=leaf.decay)
   m, v = m_c.astype(x.m.dtype), v_c.astype(x.v.dtype)
   k = leaf.stacked_axes
+  kept = None
+  if h.caution:  # a reduction over the leaf before u: the kernels do not compute it
+    g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay)
+    kept = _leaf.caution_fraction(_leaf.adam_direction(m_c, v_c, h), g, k, leaf.axis_name)
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
-    return _Pass1(m, v, m_c, v_c, zeros, zeros, None)
-  u = _leaf.direction(m_c, v_c, x.p, h, decay=leaf.decay, dtype=x.g.dtype)
+    return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
+  u = _direction(h, leaf, x, m_c, v_c, x.p, kept)
+  p = _leaf.ratio_params(x.p, h, decay=leaf.decay)
   if leaf.size <= materialize_max:
     # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
-    return _Pass1(m, v, m_c, v_c, _norms.sq_norm(x.p, k), _norms.sq_norm(u, k), u)
-  p_sq, u_sq = _norms.sq_norms(x.p, u, stacked_axes=k)
-  return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None)
+    return _Pass1(m, v, m_c, v_c, _norms.sq_norm(p, k), _norms.sq_norm(u, k), u, kept)
+  p_sq, u_sq = _norms.sq_norms(p, u, stacked_axes=k)
+  return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
 
 
 def _pass2(h, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool):
   """The update (or new params) of one leaf, from the ratio and pass 1's moments."""
   p, u = x.p, first.u
   if not leaf.adapt:
-    u = _leaf.direction(first.m_c, first.v_c, p, h, decay=leaf.decay, dtype=x.g.dtype)
-    return _leaf.update(u, p, None, h, apply=apply)
+    u = _direction(h, leaf, x, first.m_c, first.v_c, p, first.kept)
+    return _leaf.update(u, p, None, h, apply=apply, decay=leaf.decay)
   if u is None:
     # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
     if leaf.narrow_moments:  # recompute the moments: u must not see their rounding
       p, g, m, v, ratio = jax.lax.optimization_barrier((p, x.g, x.m, x.v, ratio))
-      m, v = _leaf.moments(g, m, v, h)
+      m, v = _leaf.moments(g, m, v, h, p=p, decay=leaf.decay)
     else:
       p, m, v, ratio = jax.lax.optimization_barrier((p, first.m, first.v, ratio))
-      g = x.g
-    u = _leaf.direction(m, v, p, h, decay=leaf.decay, dtype=g.dtype)
-  return _leaf.update(u, p, ratio, h, apply=apply)
+    u = _direction(h, leaf, x, m, v, p, first.kept)
+  return _leaf.update(u, p, ratio, h, apply=apply, decay=leaf.decay)

@@ -3,7 +3,11 @@
 For every case of cases.RECORDED's libraries it runs problem.STEPS steps and writes, per
 library, <library>.npz (float32 params after step 1 and at the end, keys
 '<case>/<step1|final>/<path>') and <library>.json (the library's version, the cases' kwargs as
-recorded, the environment). The tests read these files; nothing here runs in the test suite.
+recorded, the environment). The tests read these files; nothing here runs in the test suite,
+and CI does not run this script: torch, timm, torch_optimizer and keras take about 2 minutes to
+install, TF Addons needs an environment of its own, and CI's 15 minutes are mostly taken by the
+suite. test_references.py checks instead that the goldens were recorded from the current
+cases.py; re-record (and commit the goldens) when cases.py or a pinned version changes.
 
   timm, torch_optimizer, keras:  pip install -e ".[compat-record]"   (torch's CPU wheel)
                                  python tests/compat/record_goldens.py

@@ -123,8 +123,8 @@ def programs(table: Table) -> int:
 
 
 def _is_constant(x: Any) -> bool:
-  """Python values (numbers, flags, None) are compile-time constants of the kernels."""
-  return x is None or isinstance(x, (bool, int, float))
+  """Python values (numbers, flags, names, None) are compile-time constants of the kernels."""
+  return x is None or isinstance(x, (bool, int, float, str))
 
 
 RUNTIME = "runtime"  # marks a field of the constants that the kernel reads from the vector

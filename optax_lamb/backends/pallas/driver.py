@@ -68,6 +68,8 @@ class PallasBackend:
 
   def unsupported_reason(self, plan: StepPlan, leaves: list[LeafArrays]) -> str | None:
     """Why the kernels cannot take these leaves (the step then runs on XLA), or None."""
+    if plan.hyper.caution:
+      return "caution needs each leaf's mean of [u g > 0] before u, a reduction the kernels lack"
     for leaf, x in zip(plan.leaves, leaves, strict=True):
       if leaf.size == 0:
         continue

@@ -34,13 +34,13 @@ def kernel(scalars_ref, *refs, table: Table, block: int, constants, in_def, out_
   def body(pid, j, c):
     _, start, mask = common.chunk(pid, c, block)
     x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
-    m, v = _leaf.moments(x["g"], x["m"], x["v"], h)
+    m, v = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
     # Every input of this chunk is read above, before its alias is written.
     for name, value in (("m", m), ("v", v)):
       if name in moments_out[j]:
         common.store(moments_out[j][name], start, mask, block, value)
     u = _leaf.direction(m, v, x["p"], h, decay=c.leaf.decay)
-    p_part_ref[...] = common.masked_sq_sum(x["p"], mask)
+    p_part_ref[...] = common.masked_sq_sum(_leaf.ratio_params(x["p"], h, decay=c.leaf.decay), mask)
     u_part_ref[...] = common.masked_sq_sum(u, mask)
 
   common.for_each_leaf(table, body)
@@ -86,7 +86,7 @@ def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSi
 
 def reference(h: _leaf.Hyperparams, x, c: LeafChunks, block: int):
   """What pass 1 computes for one flat leaf `x` ({g, m, p, v}): (m', v', p partials, u partials)."""
-  m_new, v_new = _leaf.moments(x["g"], x["m"], x["v"], h)
+  m_new, v_new = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
   u = _leaf.direction(m_new, v_new, x["p"], h, decay=c.leaf.decay)
 
   def partials(y):
@@ -94,4 +94,5 @@ def reference(h: _leaf.Hyperparams, x, c: LeafChunks, block: int):
     y = jnp.pad(y, ((0, 0), (0, c.chunks * block - c.leaf.length)))
     return jnp.sum(jnp.square(y).reshape(c.programs, block), axis=1)
 
-  return m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype), partials(x["p"]), partials(u)
+  p = _leaf.ratio_params(x["p"], h, decay=c.leaf.decay)
+  return m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype), partials(p), partials(u)

@@ -41,10 +41,11 @@ def _leaf_step(h, leaf: LeafPlan, x: dict, ratio, *, apply: bool) -> dict:
   out = {}
   m, v = x["m"], x["v"]
   if from_grads(leaf):
-    m, v = _leaf.moments(x["g"], m, v, h)
+    m, v = _leaf.moments(x["g"], m, v, h, p=x["p"], decay=leaf.decay)
     out["m"], out["v"] = m, v
   u = _leaf.direction(m, v, x["p"], h, decay=leaf.decay)
-  out["out"] = _leaf.update(u, x["p"], ratio if leaf.adapt else None, h, apply=apply)
+  ratio = ratio if leaf.adapt else None
+  out["out"] = _leaf.update(u, x["p"], ratio, h, apply=apply, decay=leaf.decay)
   return out
 
 
