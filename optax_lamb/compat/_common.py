@@ -1,9 +1,14 @@
-"""What ``optax_lamb.compat``'s constructors share: argument checks in each library's terms,
-parameter-group masks, Keras' gradient clipping, and the call into `optax_lamb._lamb.build`.
+"""What the compat constructors share: argument checks, masks from names, the build, library rules.
+
+Each library's constructor (its own module) checks its arguments with that
+library's names and refusals, maps them onto `optax_lamb._plan.LambConfig`
+(see ``docs/which_lamb.md`` for the mapping), and builds the transformation
+with `make` on the core that every implementation shares.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Sequence
@@ -124,3 +129,56 @@ def make(
     master_weights=extras["master_weights"],
     grad_transform=grad_transform,
   )
+
+
+NO_LEAF = False  # a trust_ratio_mask prefix that matches every leaf: no leaf adapts
+
+
+def extras(stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights):
+  return dict(
+    stacked_axes=stacked_axes,
+    axis_name=axis_name,
+    implementation=implementation,
+    skip_nonfinite=skip_nonfinite,
+    grad_scale=grad_scale,
+    master_weights=master_weights,
+  )
+
+
+def adapted_unless_undecayed(always: bool, weight_decay: float, weight_decay_mask: Any) -> Any:
+  """apex and timm: a leaf adapts iff its group's weight decay is not 0, or always."""
+  if always:
+    return None
+  return weight_decay_mask if weight_decay != 0 else NO_LEAF
+
+
+def torch_clip(max_grad_norm: Any, library: str) -> float | None:
+  """apex's and timm's max_grad_norm: g / max(G / c, 1); 0 zeroes every gradient; inf: none."""
+  value = check_number("max_grad_norm", max_grad_norm)
+  if not value >= 0.0:
+    raise ValueError(
+      f"max_grad_norm must be a number >= 0 (0 zeroes every gradient, as {library} does; a "
+      f"negative threshold, which would flip the gradients' signs, is refused), got "
+      f"max_grad_norm={max_grad_norm!r}"
+    )
+  return None if value == math.inf else value
+
+
+def is_number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
+  """Keras 3: at most one clip option (ValueError); one that is not > 0 clips nothing."""
+  given = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
+  for name, value in given.items():
+    if value is not None:
+      check_number(name, value)
+  if sum(v is not None for v in given.values()) > 1:
+    raise ValueError(
+      "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
+      f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
+    )
+  return {
+    name: (value if value is not None and value > 0 else None) for name, value in given.items()
+  }
