@@ -41,6 +41,12 @@ from optax_lamb import _norms
 from optax_lamb._norms import compute_dtype
 
 
+def is_constant(value) -> bool:
+  """Whether a `Hyperparams` field is a compile-time constant (a Python number, flag, name or
+  None) rather than a runtime scalar array."""
+  return value is None or isinstance(value, (bool, int, float, str))
+
+
 class Hyperparams(NamedTuple):
   """The scalars and switches of one step, for every leaf.
 

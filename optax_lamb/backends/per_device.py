@@ -151,9 +151,8 @@ def _reshard_like_param(x: LeafArrays, sharding: NamedSharding) -> LeafArrays:
 
 def _split_hyper(h: _leaf.Hyperparams) -> tuple[list, dict[int, jax.Array]]:
   """(Python values, kept as compile-time constants; the runtime scalars, passed replicated)."""
-  constant = lambda x: x is None or isinstance(x, (bool, int, float))
-  constants = [x if constant(x) else None for x in h]
-  arrays = {i: jnp.asarray(x) for i, x in enumerate(h) if not constant(x)}
+  constants = [x if _leaf.is_constant(x) else None for x in h]
+  arrays = {i: jnp.asarray(x) for i, x in enumerate(h) if not _leaf.is_constant(x)}
   return constants, arrays
 
 

@@ -122,11 +122,6 @@ def programs(table: Table) -> int:
 # ------------------------------------------------------------------------- step scalars
 
 
-def _is_constant(x: Any) -> bool:
-  """Python values (numbers, flags, names, None) are compile-time constants of the kernels."""
-  return x is None or isinstance(x, (bool, int, float, str))
-
-
 RUNTIME = "runtime"  # marks a field of the constants that the kernel reads from the vector
 
 
@@ -135,8 +130,8 @@ def scalar_operands(h: _leaf.Hyperparams) -> tuple[jax.Array, tuple]:
 
   The vector's length is a power of two (Triton shapes); constants are static arguments.
   """
-  constants = tuple(x if _is_constant(x) else RUNTIME for x in h)
-  values = [jnp.zeros((), jnp.float32) if _is_constant(x) else x for x in h]
+  constants = tuple(x if _leaf.is_constant(x) else RUNTIME for x in h)
+  values = [jnp.zeros((), jnp.float32) if _leaf.is_constant(x) else x for x in h]
   values = [jnp.asarray(x, jnp.float32) for x in values]
   size = 1 << (len(values) - 1).bit_length()
   return jnp.stack(values + [jnp.zeros((), jnp.float32)] * (size - len(values))), constants
