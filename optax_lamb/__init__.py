@@ -1,5 +1,6 @@
 """optax_lamb: the LAMB optimizer for JAX, as Optax transformations."""
 
+from optax_lamb import compat  # other libraries' LAMB: optax_lamb.compat.timm_lamb, ...
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
@@ -26,6 +27,7 @@ __all__ = (
   "UnscaleGradientsState",
   "add_decayed_weights",
   "clip_by_global_norm",
+  "compat",
   "lamb",
   "master_weights",
   "scale_by_adam",

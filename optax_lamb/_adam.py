@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _tree
+from optax_lamb import _check_args, _leaf, _tree
 
 
 def scale_by_adam(
@@ -16,6 +16,7 @@ def scale_by_adam(
   eps_root: float = 0.0,
   *,
   bias_correction: bool = True,
+  grad_averaging: bool = True,
   mu_dtype=None,
   nu_dtype=None,
 ) -> optax.GradientTransformation:
@@ -26,7 +27,8 @@ def scale_by_adam(
     \quad u_t = \frac{m_t / (1 - b_1^t)}{\sqrt{v_t / (1 - b_2^t) + \epsilon_{root}} + \epsilon}
 
   With ``bias_correction=False`` the two corrections are 1, as in Google's
-  original LAMB code. Moments are computed in float32 (at least) and stored in
+  original LAMB code. With ``grad_averaging=False`` the gradient enters the first
+  moment unscaled, m_t = b_1 m_{t-1} + g_t (apex's and timm's switch). Moments are computed in float32 (at least) and stored in
   ``mu_dtype`` / ``nu_dtype`` (default: the param dtype). The state is
   :class:`optax.ScaleByAdamState`, so ``optax.scale_by_adam`` checkpoints load
   into it and back.
@@ -37,6 +39,7 @@ def scale_by_adam(
     eps: added to the denominator outside the square root.
     eps_root: added to the second moment inside the square root.
     bias_correction: divide the moments by 1 - b^t.
+    grad_averaging: scale the gradient by 1 - b1 in the first moment.
     mu_dtype: storage dtype of the first moment.
     nu_dtype: storage dtype of the second moment.
 
@@ -54,6 +57,7 @@ def scale_by_adam(
   _check_args.check_non_negative("eps", eps)
   _check_args.check_non_negative("eps_root", eps_root)
   _check_args.check_bool("bias_correction", bias_correction)
+  _check_args.check_bool("grad_averaging", grad_averaging)
   mu_dtype = _check_args.check_float_dtype("mu_dtype", mu_dtype)
   nu_dtype = _check_args.check_float_dtype("nu_dtype", nu_dtype)
 
@@ -68,12 +72,14 @@ def scale_by_adam(
     del params
     _tree.check_same_structure(updates, "updates", state.mu, "the optimizer state (mu)")
     count = optax.safe_increment(state.count)
-    bc1, bc2 = _math.bias_corrections(count, b1, b2, bias_correction)
+    bc1, bc2 = _leaf.bias_corrections(count, b1, b2, bias_correction)
+    h = _leaf.Hyperparams(
+      b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2, grad_averaging=grad_averaging
+    )
 
     def leaf(g, m, v):
-      m, v = _math.update_moments(g, m, v, b1, b2)
-      u = _math.adam_direction(m, v, bc1, bc2, eps, eps_root)
-      return u.astype(g.dtype), m, v
+      m, v = _leaf.moments(g, m, v, h)
+      return _leaf.adam_direction(m, v, h).astype(g.dtype), m, v
 
     out = jax.tree.map(leaf, updates, state.mu, state.nu)
     u, mu, nu = _tree.tree_unzip(out, jax.tree.structure(updates), 3)

@@ -5,24 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _tree
-
-
-def global_sq_norm(tree: Any, axis_name: Any = None) -> jax.Array:
-  """Sum of squares over every leaf in float32, each leaf psum'd over its axis names.
-
-  `axis_name` is resolved per leaf (see :func:`optax_lamb.clip_by_global_norm`);
-  the leaves are summed locally per axis name, then one ``psum`` per name.
-  """
-  partial: dict[Any, jax.Array] = {}
-  for x, name in zip(jax.tree.leaves(tree), _tree.resolve_axis_names(axis_name, tree), strict=True):
-    partial[name] = partial.get(name, jnp.zeros((), jnp.float32)) + _math.sq_norm(x)
-  return sum(
-    (_math.psum_if(total, name) for name, total in partial.items()), jnp.zeros((), jnp.float32)
-  )
+from optax_lamb import _check_args, _leaf, _norms, _tree
 
 
 def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.GradientTransformation:
@@ -45,11 +30,23 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
   """
   _check_args.check_positive("max_norm", max_norm)
   _check_args.check_axis_name("axis_name", axis_name)
+  return clip_stage(max_norm, axis_name)
+
+
+def clip_stage(
+  max_norm: Any, axis_name: Any, norm_eps: float = 0.0
+) -> optax.GradientTransformation:
+  """:func:`clip_by_global_norm` with checked arguments, and the variants of `_leaf.clip_factor`.
+
+  `max_norm` = 0 zeroes the gradients (apex, timm); `norm_eps` is added to the norm (DeepSpeed).
+  """
 
   def update_fn(updates, state, params=None):
     del params
-    factor = _math.clip_factor(global_sq_norm(updates, axis_name), max_norm)
-    updates = jax.tree.map(lambda g: (g * factor).astype(g.dtype), updates)
+    names = _tree.resolve_axis_names(axis_name, updates)
+    sq_norm = _norms.global_sq_norm(jax.tree.leaves(updates), names)
+    factor = _leaf.clip_factor(sq_norm, max_norm, norm_eps)
+    updates = jax.tree.map(lambda g: _leaf.clip(g, factor), updates)
     return updates, state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)

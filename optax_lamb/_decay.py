@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _schedule, _tree
+from optax_lamb import _check_args, _leaf, _schedule, _tree
 
 
 def add_decayed_weights(
@@ -45,7 +45,7 @@ def add_decayed_weights(
       raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
     _tree.check_same_structure(updates, "updates", params, "params")
     wd, state = _schedule.value_and_next_state(weight_decay, state)
-    updates = jax.tree.map(lambda u, p: _math.add_decay(u, p, wd), updates, params)
+    updates = jax.tree.map(lambda u, p: _leaf.add_decay(u, p, wd), updates, params)
     return updates, state
 
   tx = optax.GradientTransformation(init_fn, update_fn)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _schedule
+from optax_lamb import _check_args, _norms, _schedule
 
 
 class UnscaleGradientsState(NamedTuple):
@@ -26,7 +26,7 @@ def unscale(grads: Any, grad_scale: Any) -> Any:
   scale = jnp.asarray(grad_scale)
 
   def leaf(g):
-    dtype = _math.compute_dtype(g.dtype)
+    dtype = _norms.compute_dtype(g.dtype)
     return g.astype(dtype) / scale.astype(dtype)
 
   return jax.tree.map(leaf, grads)

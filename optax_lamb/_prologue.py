@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _check_trees, _loss_scale, _math, _tree
+from optax_lamb import _check_state, _check_trees, _loss_scale, _norms, _tree
 
 
 def with_prologue(
@@ -47,8 +47,8 @@ def with_prologue(
     """(float32 grads, state) after the checks of the trees and of the state."""
     _check_trees.check_update_args(grads, params, who)
     # The state must be what init gives for these params: checked on shapes, at trace time.
-    state = _check_trees.check_state(state, jax.eval_shape(init_fn, params), who)
-    return _math.to_compute_dtype(grads), state
+    state = _check_state.check_state(state, jax.eval_shape(init_fn, params), who)
+    return _norms.to_compute_dtype(grads), state
 
   def update_fn(updates, state, params=None, **extra_args):
     grads, state = prologue(updates, state, params)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _check_trees, _math, _nnx, _tree
+from optax_lamb import _check_args, _check_state, _nnx, _norms, _tree
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -39,7 +39,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   names = set()
   for name in _tree.resolve_axis_names(axis_name, tree):
     names.update((name,) if isinstance(name, str) else (name or ()))
-  return _math.psum_if(bad, tuple(sorted(names)) or None) == 0
+  return _norms.psum_if(bad, tuple(sorted(names)) or None) == 0
 
 
 def skip_nonfinite(
@@ -83,7 +83,7 @@ def skip_nonfinite(
       raise ValueError(
         f"skip_nonfinite: the optimizer state is {type(state).__name__} where "
         "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
-        + _check_trees.RESTORE_HINT
+        + _check_state.RESTORE_HINT
       )
     finite = all_finite(updates, axis_name)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}

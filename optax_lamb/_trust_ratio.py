@@ -2,93 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import importlib.util
-import itertools
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _math, _nnx, _tree
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True, eq=False)
-class RatioLayout:
-  """Where each leaf's trust ratios sit in the state's ratio vector. Static: no arrays.
-
-  Leaf ``i`` (in ``jax.tree.leaves`` order of the params) owns the entries
-  ``offsets[i]:offsets[i + 1]``, reshaped to ``shapes[i]``: ``()`` for a plain
-  leaf, the leading stacked axes of a stacked one.
-  """
-
-  treedef: Any  # None for a layout made from optax's params placeholder (tree_map_params)
-  shapes: tuple[tuple[int, ...], ...]
-
-  @classmethod
-  def of(cls, params: Any, stacked_axes: Any = None) -> RatioLayout:
-    if _tree.is_params_placeholder(params):
-      return cls(None, ())
-    treedef = jax.tree.structure(params)
-    axes = treedef.flatten_up_to(_tree.resolve_stacked_axes(stacked_axes, params))
-    return cls.from_leaves(treedef, treedef.flatten_up_to(params), axes)
-
-  @classmethod
-  def from_leaves(cls, treedef: Any, leaves: list, stacked_axes: list[int]) -> RatioLayout:
-    shapes = tuple(tuple(jnp.shape(p)[:k]) for p, k in zip(leaves, stacked_axes, strict=True))
-    return cls(treedef, shapes)
-
-  @functools.cached_property
-  def offsets(self) -> tuple[int, ...]:
-    return tuple(itertools.accumulate((math.prod(s) for s in self.shapes), initial=0))
-
-  @property
-  def size(self) -> int:
-    return self.offsets[-1]
-
-  def join(self, ratios: list[jax.Array]) -> jax.Array:
-    """One float32 vector from the per-leaf ratios (in leaf order)."""
-    if not ratios:  # a tree emptied by optax.masked
-      return jnp.ones((0,), jnp.float32)
-    return jnp.concatenate([jnp.reshape(r, (-1,)).astype(jnp.float32) for r in ratios])
-
-  def split(self, vector: jax.Array) -> Any:
-    """The per-leaf pytree of ratios; leading batch axes of `vector` (pmap, vmap) are kept."""
-    batch = jnp.shape(vector)[:-1]
-    pieces = [
-      jnp.reshape(vector[..., a:b], batch + shape)
-      for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes, strict=True)
-    ]
-    return jax.tree.unflatten(self.treedef, pieces)
-
-  def __eq__(self, other: Any) -> bool:
-    if not isinstance(other, RatioLayout):
-      return NotImplemented
-    # The placeholder's layout matches any layout, so tree_map_params can pair the two states.
-    return (
-      self is other
-      or self.treedef is None
-      or other.treedef is None
-      or (self.treedef == other.treedef and self.shapes == other.shapes)
-    )
-
-  def __hash__(self) -> int:
-    return hash(RatioLayout)  # equal layouts must hash alike, the placeholder's included
-
-
-class ScaleByTrustRatioState(NamedTuple):
-  """The trust ratios of the last update: one float32 vector for the whole tree, and its layout.
-
-  One buffer whatever the number of leaves (each jitted call pays host time per
-  input buffer); read the per-leaf ratios with :func:`optax_lamb.trust_ratios`.
-  """
-
-  ratios: jax.Array
-  layout: RatioLayout
+from optax_lamb import _check_args, _leaf, _nnx, _norms, _tree
+from optax_lamb._state import RatioLayout, ScaleByTrustRatioState  # also their pickle path
 
 
 def scale_by_trust_ratio(
@@ -149,9 +70,29 @@ def scale_by_trust_ratio(
 
 
 def trust_ratio_stage(
-  min_norm, trust_coefficient, eps, mask, min_ratio, max_ratio, stacked_axes, axis_name, mask_name
+  min_norm,
+  trust_coefficient,
+  eps,
+  mask,
+  min_ratio,
+  max_ratio,
+  stacked_axes,
+  axis_name,
+  mask_name,
+  max_param_norm=None,
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`."""
+  """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`.
+
+  `max_param_norm` clamps ||p|| in the ratio (torch_optimizer's ``clamp_value``).
+  """
+  h = _leaf.Hyperparams(
+    min_ratio=min_ratio,
+    max_ratio=max_ratio,
+    min_norm=min_norm,
+    trust_coefficient=trust_coefficient,
+    ratio_eps=eps,
+    max_param_norm=max_param_norm,
+  )
 
   def init_fn(params):
     if not _tree.is_params_placeholder(params):
@@ -163,30 +104,27 @@ def trust_ratio_stage(
     if params is None:
       raise ValueError("scale_by_trust_ratio needs params: call update(updates, state, params)")
     _tree.check_same_structure(updates, "updates", params, "params")
-    adapt = _tree.resolve_per_leaf(mask, params, True, mask_name, "bool")
-    axes = _tree.resolve_stacked_axes(stacked_axes, params)
-
-    def leaf(u, p, k, adapts, name):
-      if not adapts:
-        return u, jnp.ones(jnp.shape(p)[:k], jnp.float32)
-      r = _math.trust_ratio(
-        _math.psum_if(_math.sq_norm(p, k), name),
-        _math.psum_if(_math.sq_norm(u, k), name),
-        min_norm=min_norm,
-        trust_coefficient=trust_coefficient,
-        eps=eps,
-        min_ratio=min_ratio,
-        max_ratio=max_ratio,
-      ).astype(jnp.float32)
-      return _math.scale_by_ratio(u, r), r
-
     treedef = jax.tree.structure(updates)
+    adapts = treedef.flatten_up_to(_tree.resolve_per_leaf(mask, params, True, mask_name, "bool"))
+    axes = treedef.flatten_up_to(_tree.resolve_stacked_axes(stacked_axes, params))
     names = _tree.resolve_axis_names(axis_name, params)
-    columns = [treedef.flatten_up_to(t) for t in (updates, params, axes, adapt)]
-    results = [leaf(*args) for args in zip(*columns, names, strict=True)]
-    updates = jax.tree.unflatten(treedef, [u for u, _ in results])
-    ratios = state.layout.join([r for _, r in results])
-    return updates, ScaleByTrustRatioState(ratios=ratios, layout=state.layout)
+    us, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
+    layout = state.layout
+
+    def sq_norms(xs):  # per leaf; zeros where the leaf does not adapt (its ratio is 1)
+      return [
+        _norms.sq_norm(x, k) if a else jnp.zeros(jnp.shape(x)[:k], jnp.float32)
+        for x, k, a in zip(xs, axes, adapts, strict=True)
+      ]
+
+    adapts = [bool(a) for a in adapts]
+    names = [n if a else None for n, a in zip(names, adapts, strict=True)]
+    ratios = _leaf.trust_ratios_of_leaves(sq_norms(ps), sq_norms(us), h, names, layout, adapts)
+    scaled = [
+      _leaf.scale_by_ratio(u, r) if a else u
+      for u, r, a in zip(us, layout.pieces(ratios), adapts, strict=True)
+    ]
+    return treedef.unflatten(scaled), ScaleByTrustRatioState(ratios=ratios, layout=layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -213,19 +151,3 @@ def trust_ratios(opt_state: Any) -> Any:
   # Plain arrays also from a Flax NNX optimizer's state (OptVariable / Param wrappers).
   ratios = tuple(_nnx.plain_values(s.layout.split(_nnx.plain_values(s.ratios))) for s in found)
   return ratios[0] if len(ratios) == 1 else ratios
-
-
-def _register_with_flax() -> None:
-  """Teach flax.serialization (if installed) the static layout: nothing saved, the target's kept."""
-  if importlib.util.find_spec("flax") is None:
-    return
-  try:
-    from flax import serialization
-  except Exception:  # a broken flax install must not break this package
-    return
-  serialization.register_serialization_state(
-    RatioLayout, lambda _: {}, lambda target, _: target, override=True
-  )
-
-
-_register_with_flax()

@@ -1,5 +1,6 @@
 """The benchmark script runs end to end in --quick mode and writes a complete JSON (no timing checks)."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -8,17 +9,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _step_module():
+def _benchmarks_module(name: str):
+  """`benchmarks.<name>`, imported from the repository root (benchmarks/ is not installed)."""
   sys.path.insert(0, ROOT)
   try:
-    from benchmarks import step
+    return importlib.import_module(f"benchmarks.{name}")
   finally:
     sys.path.remove(ROOT)
-  return step
 
 
 def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
-  step = _step_module()
+  trees = _benchmarks_module("trees")
+  implementations = _benchmarks_module("implementations")
   out = tmp_path / "quick.json"
   env = dict(os.environ)
   # The benchmark runs on the default device setup, not the tests' 8 host devices.
@@ -47,13 +49,13 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
     timeout=600,
   )
   report = json.loads(out.read_text())
-  assert list(report["cases"]) == step.case_names(quick=True)
+  assert list(report["cases"]) == trees.case_names(quick=True)
   assert report["bandwidth_gbps"] > 0
   assert report["device_kind"] and report["versions"]["jax"] and report["versions"]["optax"]
   assert report["inner_steps"] > 1 and report["e2e_steps"] > 1
   for name, case in report["cases"].items():
     assert case["params"] > 0 and case["leaves"] > 0, name
-    assert list(case["results"]) == list(step.DEFAULT_IMPLEMENTATIONS), name
+    assert list(case["results"]) == list(implementations.DEFAULT_IMPLEMENTATIONS), name
     for impl, r in case["results"].items():
       where = (name, impl)
       assert "error" not in r, where
@@ -70,7 +72,7 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
 
 
 def test_kernel_count_reads_the_entry_computation_only():
-  step = _step_module()
+  hlo_module = _benchmarks_module("hlo")
   hlo = """HloModule jit_step, is_scheduled=true
 
 %fused_computation (param_0: f32[8]) -> f32[8] {
@@ -90,10 +92,55 @@ ENTRY %main.5 (p: f32[8], g: f32[8]) -> (f32[8], f32[]) {
   ROOT %tuple = (f32[8]{0}, f32[]) tuple(%fusion, %reduce.3)
 }
 """
-  assert step.count_kernels(hlo) == 3  # fusion, reduce, copy
+  assert hlo_module.count_kernels(hlo) == 3  # fusion, reduce, copy
 
 
 def test_results_file_is_named_after_the_device():
-  step = _step_module()
-  assert step.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-  assert step.slugify("NVIDIA H200") == "nvidia-h200"
+  machine = _benchmarks_module("machine")
+  assert machine.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+  assert machine.slugify("NVIDIA H200") == "nvidia-h200"
+
+
+def _raise_in_callback(_):
+  raise RuntimeError("deliberate failure while running")
+
+
+def test_failing_implementations_are_recorded_and_the_others_still_timed(monkeypatch):
+  import jax
+
+  case = _benchmarks_module("case")
+  implementations = _benchmarks_module("implementations")
+  bandwidth = _benchmarks_module("bandwidth")
+
+  def fails_to_compile(tx):
+    def step(params, state, grads):
+      raise ValueError("deliberate failure while tracing")
+
+    return step
+
+  def fails_at_run(tx):  # after its donated params and state are consumed
+    step = implementations.update_then_apply(tx)
+
+    def failing(params, state, grads):
+      jax.debug.callback(_raise_in_callback, grads["w"])
+      return step(params, state, grads)
+
+    return failing
+
+  ours = implementations.IMPLEMENTATIONS["optax_lamb.lamb"][1]
+  monkeypatch.setitem(
+    implementations.IMPLEMENTATIONS, "fails-to-compile", ("x", ours, fails_to_compile)
+  )
+  # The same state family as optax_lamb.lamb: their shared state must be rebuilt for it.
+  monkeypatch.setitem(implementations.IMPLEMENTATIONS, "fails-at-run", ("ours", ours, fails_at_run))
+  impls = ["fails-to-compile", "fails-at-run", "optax_lamb.lamb", "optax.lamb"]
+  settings = case.Settings(impls, runs=2, warmup=1, inner_steps=2, e2e_steps=2)
+  shapes = {"w": (16, 4), "b": (4,)}
+  result = case.run_case("tiny", shapes, settings, bandwidth.Bandwidth(1024, 2), lambda _: None)
+  results = result["results"]
+  assert list(results) == impls
+  assert results["fails-to-compile"] == {"error": "ValueError: deliberate failure while tracing"}
+  assert set(results["fails-at-run"]) == {"error"}
+  for impl in ("optax_lamb.lamb", "optax.lamb"):
+    assert "error" not in results[impl], impl
+    assert len(results[impl]["times_ms"]) == 2 and results[impl]["device_ms"] > 0, impl

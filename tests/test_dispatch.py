@@ -1,98 +1,204 @@
-"""The dispatcher: which backend computes a step, and the reason it gives for a fallback."""
+"""The dispatcher: which backend computes a step, and what it says about a fallback.
+
+Observed through the public seams only: the INFO line ``auto`` logs on the
+``optax_lamb`` logger when a step is traced, the warnings of an explicit
+request, and backend objects passed as ``implementation=``. A GPU is simulated
+by patching ``jax.default_backend`` (the steps are only traced, never compiled).
+"""
 
 import functools
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_lamb
-from optax_lamb import _dispatch
+from optax_lamb.backends.pallas import BlockSizes, PallasBackend
 
 LEAF = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-LEAVES = ([LEAF], [LEAF], [LEAF], [LEAF])
+
+
+def traced_path(caplog, implementation="auto", params=None, **kwargs) -> str:
+  """The log line of the backend chosen when lamb's update is traced over `params`."""
+  params = {"w": LEAF} if params is None else params
+  tx = optax_lamb.lamb(1e-2, implementation=implementation, **kwargs)
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="optax_lamb"):
+    jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params), params)
+  lines = [r.getMessage() for r in caplog.records if r.name == "optax_lamb"]
+  assert len(lines) <= 1, lines
+  return lines[0] if lines else ""
 
 
 @pytest.fixture
 def on_a_gpu(monkeypatch):
-  """choose() as on a GPU backend (only choose(): nothing is compiled)."""
-  monkeypatch.setattr(_dispatch.jax, "default_backend", lambda: "gpu")
+  """The default backend reported as a GPU (nothing is compiled in these tests)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 
 
-def test_auto_on_a_cpu_is_the_xla_path(monkeypatch):
-  monkeypatch.setattr(_dispatch.jax, "default_backend", lambda: "cpu")
-  choice = _dispatch.choose("auto", *LEAVES)
-  assert choice.backend == "xla" and "'cpu'" in choice.reason
+@pytest.fixture
+def one_device(monkeypatch):
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
 
 
-def test_auto_on_one_gpu_is_the_kernels(on_a_gpu, monkeypatch):
-  monkeypatch.setattr(_dispatch.jax, "device_count", lambda: 1)
-  assert _dispatch.choose("auto", *LEAVES) == _dispatch.Choice("pallas", None)
+def test_auto_on_a_cpu_is_the_xla_path(caplog):
+  assert jax.default_backend() == "cpu"
+  line = traced_path(caplog)
+  assert line.startswith("optax_lamb.lamb: the xla path") and "backend 'cpu'" in line
 
 
-def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu, monkeypatch):
+def test_auto_on_one_gpu_is_the_kernels(on_a_gpu, one_device, caplog):
+  assert traced_path(caplog) == "optax_lamb.lamb: the pallas path (first choice)"
+
+
+def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu, monkeypatch, caplog):
   """Outside shard_map a pallas_call would gather sharded leaves: auto takes the XLA path."""
-  monkeypatch.setattr(_dispatch.jax, "device_count", lambda: 8)
-  choice = _dispatch.choose("auto", *LEAVES)
-  assert choice.backend == "xla" and "outside shard_map" in choice.reason
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  line = traced_path(caplog)
+  assert line.startswith("optax_lamb.lamb: the xla path") and "outside shard_map" in line
 
 
-def test_auto_inside_shard_map_is_the_kernels(on_a_gpu):
+def test_auto_inside_shard_map_is_the_kernels(on_a_gpu, caplog):
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
   spec = jax.sharding.PartitionSpec("d")
-  seen = []
+  tx = optax_lamb.lamb(1e-2, axis_name="d")
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec)
   def step(x):
-    seen.append(_dispatch.choose("auto", [x], [x], [x], [x]))
-    return x
+    params = {"w": x}
+    updates, _ = tx.update(params, tx.init(params), params)
+    return updates["w"]
 
-  jax.eval_shape(step, jax.ShapeDtypeStruct((8 * len(jax.devices()),), jnp.float32))
-  assert seen == [_dispatch.Choice("pallas", None)]
-
-
-def test_without_pallas_triton_auto_and_pallas_take_xla(on_a_gpu, monkeypatch):
-  monkeypatch.setattr(_dispatch, "pallas_import_error", lambda: "Pallas Triton is not available")
-  monkeypatch.setattr(_dispatch.jax, "device_count", lambda: 1)
-  for implementation in ("auto", "pallas"):
-    choice = _dispatch.choose(implementation, *LEAVES)
-    assert choice == _dispatch.Choice("xla", "Pallas Triton is not available")
+  with caplog.at_level(logging.INFO, logger="optax_lamb"):
+    jax.eval_shape(step, jax.ShapeDtypeStruct((8 * len(jax.devices()),), jnp.float32))
+  assert [r.getMessage() for r in caplog.records] == [
+    "optax_lamb.lamb: the pallas path (first choice)"
+  ]
 
 
-def test_without_pallas_triton_a_pallas_request_warns_and_runs_xla(monkeypatch, fresh_rng):
-  monkeypatch.setattr(_dispatch, "pallas_import_error", lambda: "no Pallas Triton here")
-  _dispatch._REPORTED.clear()
-  params = {"w": jnp.asarray(fresh_rng.standard_normal((4, 3)), jnp.float32)}
-  pallas, xla = (optax_lamb.lamb(1e-2, implementation=i) for i in ("pallas", "xla"))
-  with pytest.warns(UserWarning, match="no Pallas Triton here; it runs on the XLA path"):
-    got = pallas.update(params, pallas.init(params), params)
-  want = xla.update(params, xla.init(params), params)
-  jax.tree.map(np.testing.assert_array_equal, got, want)
+def test_without_pallas_triton_auto_and_pallas_take_xla():
+  """A jax whose Pallas Triton cannot be imported: checked in a process where the import fails."""
+  script = textwrap.dedent(
+    """
+    import logging, sys, warnings
+    sys.modules["jax.experimental.pallas.triton"] = None  # import fails, as on a jax without it
+    import jax, jax.numpy as jnp, numpy as np, optax_lamb
+    jax.default_backend = lambda: "gpu"
+    jax.device_count = lambda: 1
+    logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
+    params = {"w": jnp.arange(12.0).reshape(4, 3)}
+    out = {}
+    for implementation in ("auto", "pallas", "xla"):
+      tx = optax_lamb.lamb(1e-2, implementation=implementation)
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out[implementation] = tx.update(params, tx.init(params), params)[0]["w"]
+      for w in caught:
+        print("WARNING", w.message)
+    print("EQUAL", all(np.array_equal(out[k], out["xla"]) for k in out))
+    """
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+  )
+  assert run.returncode == 0, run.stderr
+  lines = run.stdout.splitlines()
+  assert "EQUAL True" in lines
+  logs = [line for line in lines if line.startswith("LOG optax_lamb.lamb")]
+  assert len(logs) == 1 and "the xla path (pallas: Pallas Triton is not available" in logs[0]
+  warned = [line for line in lines if line.startswith("WARNING")]
+  assert len(warned) == 1 and "Pallas Triton is not available" in warned[0]
+  assert warned[0].endswith("it runs on the xla path.")
 
 
 @pytest.mark.parametrize(
-  "field, dtype, match",
-  [("params", jnp.float64, "param dtype float64"), ("grads", jnp.bfloat16, "gradient dtype")],
+  "dtypes, match",
+  [
+    ({"params": jnp.float64}, "param dtype float64"),
+    ({"mu_dtype": jnp.float64}, "mu dtype float64"),
+  ],
 )
-def test_leaves_the_kernels_cannot_take(on_a_gpu, monkeypatch, field, dtype, match):
-  monkeypatch.setattr(_dispatch.jax, "device_count", lambda: 1)
-  odd = jax.ShapeDtypeStruct((64, 32), dtype)
-  leaves = {"grads": [LEAF], "mu": [LEAF], "nu": [LEAF], "params": [LEAF]}
-  leaves[field] = [odd]
-  choice = _dispatch.choose("auto", *leaves.values())
-  assert choice.backend == "xla" and match in choice.reason
+def test_leaves_the_kernels_cannot_take(on_a_gpu, one_device, caplog, dtypes, match):
+  with jax.enable_x64(True):
+    params = {"w": jax.ShapeDtypeStruct((64, 32), dtypes.get("params", jnp.float32))}
+    kwargs = {k: v for k, v in dtypes.items() if k != "params"}
+    line = traced_path(caplog, params=params, **kwargs)
+  assert line.startswith("optax_lamb.lamb: the xla path") and match in line
 
 
-def test_narrow_moments_are_taken_by_the_kernels(on_a_gpu, monkeypatch):
-  monkeypatch.setattr(_dispatch.jax, "device_count", lambda: 1)
-  narrow = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
-  assert _dispatch.choose("auto", [LEAF], [narrow], [narrow], [narrow]).backend == "pallas"
+def test_narrow_moments_are_taken_by_the_kernels(on_a_gpu, one_device, caplog):
+  params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)}
+  line = traced_path(caplog, params=params, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+  assert line == "optax_lamb.lamb: the pallas path (first choice)"
 
 
-def test_xla_and_reference_are_taken_as_asked(on_a_gpu):
-  for implementation in ("xla", "reference"):
-    assert _dispatch.choose(implementation, *LEAVES) == _dispatch.Choice(implementation, None)
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+def test_xla_and_reference_are_taken_as_asked(on_a_gpu, one_device, caplog, implementation):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert traced_path(caplog, implementation) == ""  # nothing chose for them
+
+
+def test_a_backend_object_is_taken_as_asked():
+  params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(3, 100)}
+  backend = PallasBackend(block_sizes=BlockSizes(block=64, sum_block=16), interpret=True)
+  got_tx, want_tx = (optax_lamb.lamb(1e-2, implementation=i) for i in (backend, "xla"))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*interpret mode")
+    got = got_tx.update(params, got_tx.init(params), params)
+  want = want_tx.update(params, want_tx.init(params), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("value", ["triton", None, object()])
+def test_an_unknown_implementation_is_refused_when_built(value):
+  with pytest.raises(ValueError, match=r"implementation must be one of .* got implementation="):
+    optax_lamb.lamb(1e-2, implementation=value)
+
+
+class Refusing:
+  """A backend that cannot take any step (as the kernels with a leaf of 2^31 elements)."""
+
+  name = "refusing"
+
+  def auto_reason(self):
+    return None
+
+  def unsupported_reason(self, plan, leaves):
+    return "it refuses every step"
+
+  def step(self, plan, leaves, *, apply):
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("wrappers", [{}, {"skip_nonfinite": True, "master_weights": True}])
+def test_a_fallback_warning_points_at_the_callers_line(wrappers):
+  params = {"w": jnp.ones((4, 3))}
+  tx = optax_lamb.lamb(1e-2, implementation=Refusing(), **wrappers)
+  state = tx.init(params)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    line = sys._getframe().f_lineno + 1
+    jax.jit(tx.update)(params, state, params)
+  # skip_nonfinite traces the step twice (its two branches): the same warning, the same line
+  said = {(w.filename, w.lineno, str(w.message)) for w in caught if "refuses" in str(w.message)}
+  assert said == {
+    (
+      __file__,
+      line,
+      "optax_lamb.lamb(implementation='refusing'): refusing: it refuses every step; "
+      "it runs on the xla path.",
+    )
+  }
 
 
 def test_the_fused_apply_is_carried_by_lamb_only_without_wrappers():
@@ -100,3 +206,10 @@ def test_the_fused_apply_is_carried_by_lamb_only_without_wrappers():
   assert callable(plain.update.fused_apply)
   for kwargs in ({"skip_nonfinite": True}, {"master_weights": True}, {"grad_scale": 2.0}):
     assert not hasattr(optax_lamb.lamb(1e-3, **kwargs).update, "fused_apply"), kwargs
+  # update_and_apply on a wrapped lamb falls back to update + apply_updates
+  tx = optax_lamb.lamb(1e-3, skip_nonfinite=True)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  got, _ = optax_lamb.update_and_apply(tx, params, state, params)
+  updates, _ = tx.update(params, state, params)
+  np.testing.assert_array_equal(got["w"], optax.apply_updates(params, updates)["w"])

@@ -1,6 +1,11 @@
 """The implementations of one lamb step; `optax_lamb._dispatch` picks one per call.
 
-Each computes from the step plan (`optax_lamb._plan.StepPlan`) and flat lists of
-leaves, and returns (updates or new params, new mu, new nu, ratio vector):
-`xla` (the reference) and `pallas` (Triton kernels; imported only when used).
+Each backend computes from the step plan (`optax_lamb._plan.StepPlan`) and the
+leaves' arrays, returns a `StepResult` (updates or new params, new moments, the
+ratio vector), and says where it runs (`auto_reason`) and which steps it cannot
+take (`unsupported_reason`): `xla.XlaBackend` (runs everywhere) and
+`pallas.PallasBackend` (Triton kernels; imported only when used), whose step
+`per_device` runs on each device's shards under ``jax.jit`` (a ``pallas_call``
+is opaque to XLA's partitioner). A configured instance may be passed as
+``lamb(..., implementation=backend)``.
 """

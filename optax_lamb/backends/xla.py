@@ -1,4 +1,4 @@
-"""The fused XLA path of lamb: two passes over memory per leaf instead of a chain of stages.
+"""The fused XLA backend: two passes over memory per leaf instead of a chain of stages.
 
 The stage chain (clip, Adam, decay, trust ratio, learning rate) computes the
 same values but XLA materialises several param-sized intermediates for it and
@@ -6,6 +6,7 @@ reads each leaf many times. Here, per leaf:
 
 * pass 1 (reads g, m, v, p; writes m, v in place) updates the moments and
   yields the two squared norms ||p||^2 and ||u||^2 from one reduction;
+* the ratios of all leaves, from the two squared-norm vectors (`_leaf.trust_ratios`);
 * pass 2 (reads p, m, v; writes p or the updates in place) recomputes the
   direction u from the new moments with the identical expressions, so the
   values are bit-identical to pass 1's, and applies the trust ratio and the
@@ -16,85 +17,109 @@ computations of u (which would materialise u, a param-sized temporary). When
 the moments are stored in a narrower dtype than they are computed in, pass 2
 recomputes them from the old moments instead, so u never sees the rounding.
 
-Leaves of at most 2^18 elements compute u once and keep it between the norm
-and the update instead: it stays in cache, and recomputing would cost more than
-it saves. Leaves without layer adaptation need no norm and take one pass.
-
-This is the reference the Pallas kernels are tested against. It computes from
-the step plan (`optax_lamb._plan`), as every backend does, so the state is the
-stage chain's state and the implementations are interchangeable. Every formula
-comes from `optax_lamb._math`.
+Leaves of at most `materialize_u_max_size` elements compute u once and keep it
+between the norm and the update instead: it stays in cache, and recomputing
+would cost more than it saves. Leaves without layer adaptation need no norm
+and take one pass. Every formula is `optax_lamb._leaf`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _math
-from optax_lamb._plan import LeafPlan, StepPlan
-
-# Leaves up to this many elements keep u in memory between the norm and the update (it stays
-# in cache); larger ones recompute it (two passes over memory, no param-sized temporary).
-_MATERIALISE_U_MAX_SIZE = 1 << 18
+from optax_lamb import _leaf, _norms
+from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
-def step(
-  plan: StepPlan, grads: list, mu: list, nu: list, params: list, *, apply: bool
-) -> tuple[list, list, list, jax.Array]:
-  """One lamb step in two passes per leaf, on flat lists of leaves (grads in float32).
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+  """The fused XLA path; runs everywhere.
 
-  Returns:
-    (updates, or the new params with `apply`; new mu; new nu; the ratio vector).
+  Attributes:
+    materialize_u_max_size: leaves of at most this many elements keep u in memory
+      between the norm and the update (it stays in cache); larger ones recompute it.
   """
-  c = plan.config
 
-  def clipped(g):
-    return g if plan.clip_factor is None else (g * plan.clip_factor).astype(g.dtype)
+  name = "xla"
+  materialize_u_max_size: int = 1 << 18
 
-  def direction(g, m, v, p, decay):
-    """Adam direction plus decay, with the stage chain's dtype casts; u has g's dtype."""
-    u = _math.adam_direction(m, v, plan.bc1, plan.bc2, c.eps, c.eps_root).astype(g.dtype)
-    return _math.add_decay(u, p, plan.weight_decay) if decay else u
+  def auto_reason(self) -> str | None:
+    return None
 
-  def layer_ratio(p_sq, u_sq, axis_name):
-    return _math.trust_ratio(
-      _math.psum_if(p_sq, axis_name),
-      _math.psum_if(u_sq, axis_name),
-      min_ratio=c.min_trust_ratio,
-      max_ratio=c.max_trust_ratio,
-    ).astype(jnp.float32)
+  def unsupported_reason(self, plan: StepPlan, leaves: list[LeafArrays]) -> str | None:
+    del plan, leaves
+    return None
 
-  def leaf(g, m, v, p, opts: LeafPlan):
-    g, k = clipped(g), opts.stacked_axes
-    m_c, v_c = _math.update_moments(g, m, v, c.b1, c.b2)
-    m_new, v_new = m_c.astype(m.dtype), v_c.astype(v.dtype)
-    # Recompute from the stored moments only where storing them did not round.
-    from_new = m_new.dtype == m_c.dtype and v_new.dtype == v_c.dtype
-    if opts.adapt and jnp.size(p) <= _MATERIALISE_U_MAX_SIZE:
-      # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
-      u = direction(g, m_c, v_c, p, opts.decay)
-      ratio = layer_ratio(_math.sq_norm(p, k), _math.sq_norm(u, k), opts.axis_name)
-      p2, u = p, _math.scale_by_ratio(u, ratio)
-    elif opts.adapt:
-      u = direction(g, m_c, v_c, p, opts.decay)
-      ratio = layer_ratio(*_math.sq_norms(p, u, stacked_axes=k), opts.axis_name)
-      # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
-      if from_new:
-        p2, m2, v2, ratio2 = jax.lax.optimization_barrier((p, m_new, v_new, ratio))
-        u = direction(g, m2, v2, p2, opts.decay)
-      else:
-        p2, g2, m2, v2, ratio2 = jax.lax.optimization_barrier((p, g, m, v, ratio))
-        u = direction(g2, *_math.update_moments(g2, m2, v2, c.b1, c.b2), p2, opts.decay)
-      u = _math.scale_by_ratio(u, ratio2)
+  def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
+    """One lamb step in two passes per adapted leaf (one pass for the others)."""
+    h = plan.hyper
+    firsts = [
+      _pass1(h, leaf, x, self.materialize_u_max_size)
+      for leaf, x in zip(plan.leaves, leaves, strict=True)
+    ]
+    ratios = plan.ratios_from_leaves([f.p_sq for f in firsts], [f.u_sq for f in firsts])
+    out = [
+      _pass2(h, leaf, x, f, ratio, apply=apply)
+      for leaf, x, f, ratio in zip(
+        plan.leaves, leaves, firsts, plan.layout.pieces(ratios), strict=True
+      )
+    ]
+    return StepResult(out, [f.m for f in firsts], [f.v for f in firsts], ratios)
+
+
+@dataclasses.dataclass
+class _Pass1:
+  m: jax.Array  # the new moments as stored
+  v: jax.Array
+  m_c: jax.Array  # and in the compute dtype
+  v_c: jax.Array
+  p_sq: jax.Array  # squared norms per slice (zeros where the leaf does not adapt)
+  u_sq: jax.Array
+  u: jax.Array | None  # kept for the update (small leaves), else recomputed in pass 2
+  kept: jax.Array | None  # caution's kept fraction per slice (None without caution)
+
+
+def _direction(h, leaf: LeafPlan, x: LeafArrays, m, v, p, kept):
+  """u from the moments (`_leaf.direction`); with caution, masked by the moments' gradient."""
+  g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay) if h.caution else None
+  return _leaf.direction(m, v, p, h, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
+
+
+def _pass1(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays, materialize_max: int) -> _Pass1:
+  m_c, v_c = _leaf.moments(x.g, x.m, x.v, h, p=x.p, decay=leaf.decay)
+  m, v = m_c.astype(x.m.dtype), v_c.astype(x.v.dtype)
+  k = leaf.stacked_axes
+  kept = None
+  if h.caution:  # a reduction over the leaf before u: the kernels do not compute it
+    g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay)
+    kept = _leaf.caution_fraction(_leaf.adam_direction(m_c, v_c, h), g, k, leaf.axis_name)
+  if not leaf.adapt:
+    zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
+    return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
+  u = _direction(h, leaf, x, m_c, v_c, x.p, kept)
+  p = _leaf.ratio_params(x.p, h, decay=leaf.decay)
+  if leaf.size <= materialize_max:
+    # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
+    return _Pass1(m, v, m_c, v_c, _norms.sq_norm(p, k), _norms.sq_norm(u, k), u, kept)
+  p_sq, u_sq = _norms.sq_norms(p, u, stacked_axes=k)
+  return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
+
+
+def _pass2(h, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool):
+  """The update (or new params) of one leaf, from the ratio and pass 1's moments."""
+  p, u = x.p, first.u
+  if not leaf.adapt:
+    u = _direction(h, leaf, x, first.m_c, first.v_c, p, first.kept)
+    return _leaf.update(u, p, None, h, apply=apply, decay=leaf.decay)
+  if u is None:
+    # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
+    if leaf.narrow_moments:  # recompute the moments: u must not see their rounding
+      p, g, m, v, ratio = jax.lax.optimization_barrier((p, x.g, x.m, x.v, ratio))
+      m, v = _leaf.moments(g, m, v, h, p=p, decay=leaf.decay)
     else:
-      ratio = jnp.ones(jnp.shape(p)[:k], jnp.float32)
-      p2 = p
-      u = direction(g, m_c, v_c, p, opts.decay)
-    u = _math.scale_by_step_size(u, plan.step_size, jnp.dtype(p.dtype))
-    out = jnp.asarray(p2 + u).astype(p.dtype) if apply else u
-    return out, m_new, v_new, ratio
-
-  results = [leaf(*args) for args in zip(grads, mu, nu, params, plan.leaves, strict=True)]
-  out, mu, nu, ratios = ([r[i] for r in results] for i in range(4))
-  return out, mu, nu, plan.layout.join(ratios)
+      p, m, v, ratio = jax.lax.optimization_barrier((p, first.m, first.v, ratio))
+    u = _direction(h, leaf, x, m, v, p, first.kept)
+  return _leaf.update(u, p, ratio, h, apply=apply, decay=leaf.decay)

@@ -13,10 +13,9 @@
   launch, for the property tests' trees of a few elements;
 - ``"reference"``: the plain chain of stages.
 
-Today the Pallas launch configuration and the XLA path's size limit are set by
-a context around the step's tracing, so `lamb_for` wraps ``update`` (and its
-``fused_apply``) to trace inside it; once lamb takes a backend object
-(``implementation=PallasBackend(...)``) only `_CONFIGURATIONS` changes.
+The configurations are backend objects passed as ``implementation=``; for the
+Pallas ones, `lamb_for` also wraps ``update`` (and its ``fused_apply``) so that
+a warning that the step fell back to the XLA path is an error.
 """
 
 from __future__ import annotations
@@ -30,41 +29,31 @@ from collections.abc import Callable
 import optax
 
 import optax_lamb
-from optax_lamb.backends import xla as _xla
-from optax_lamb.backends.pallas import chunks as _chunks
+from optax_lamb.backends.pallas import BlockSizes, PallasBackend
+from optax_lamb.backends.xla import XlaBackend
 
 
 @contextlib.contextmanager
-def _recompute_u_everywhere():
-  saved = _xla._MATERIALISE_U_MAX_SIZE
-  _xla._MATERIALISE_U_MAX_SIZE = 0
-  try:
-    yield
-  finally:
-    _xla._MATERIALISE_U_MAX_SIZE = saved
-
-
-@contextlib.contextmanager
-def _pallas_interpreted(block_sizes):
-  with _chunks.options(block_sizes=block_sizes, interpret=True), warnings.catch_warnings():
-    warnings.filterwarnings("error", message=".*XLA path")  # the kernels ran, no fallback
+def _no_fallback():
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=r"(?i).*xla path")  # the kernels ran, no fallback
     warnings.filterwarnings("ignore", message=".*interpret mode")
     yield
 
 
-PALLAS_BLOCKS = _chunks.BlockSizes(
+PALLAS_BLOCKS = BlockSizes(
   block=128, max_leaves_per_call=3, num_warps=4, sum_block=16, xla_pass2_min_size=256
 )
-TINY_BLOCKS = _chunks.BlockSizes(
+TINY_BLOCKS = BlockSizes(
   block=16, max_leaves_per_call=2, num_warps=4, sum_block=16, xla_pass2_min_size=48
 )
 
 # name: (lamb's implementation argument, the context its steps are traced in)
 _CONFIGURATIONS = {
   "xla": ("xla", contextlib.nullcontext),
-  "xla-recompute-u": ("xla", _recompute_u_everywhere),
-  "pallas": ("pallas", functools.partial(_pallas_interpreted, PALLAS_BLOCKS)),
-  "pallas-tiny-blocks": ("pallas", functools.partial(_pallas_interpreted, TINY_BLOCKS)),
+  "xla-recompute-u": (XlaBackend(materialize_u_max_size=0), contextlib.nullcontext),
+  "pallas": (PallasBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
+  "pallas-tiny-blocks": (PallasBackend(block_sizes=TINY_BLOCKS, interpret=True), _no_fallback),
   "reference": ("reference", contextlib.nullcontext),
 }
 IMPLEMENTATIONS = tuple(_CONFIGURATIONS)

@@ -1,11 +1,12 @@
-"""The Pallas (Triton) backend: `chunks` (launch configuration), `kernels` (the kernels and their
-jnp references), `launch` (the ``pallas_call`` s) and `driver` (one step, and what it supports).
+"""The Pallas (Triton) backend: one module per kernel pass, each with its ``pallas_call`` and
+the jnp reference it must equal (`pass1`, `slice_sums`, `pass2`), what they share (`common`), and
+the step over a tree with its launch configuration (`driver.PallasBackend`).
 
 Importing it imports ``jax.experimental.pallas.triton``; the dispatcher treats an
 ImportError as "no Pallas on this jax" and uses the XLA path.
 """
 
-from optax_lamb.backends.pallas.chunks import BlockSizes, options
-from optax_lamb.backends.pallas.driver import step, unsupported_reason
+from optax_lamb.backends.pallas.common import BlockSizes
+from optax_lamb.backends.pallas.driver import PallasBackend
 
-__all__ = ["BlockSizes", "options", "step", "unsupported_reason"]
+__all__ = ["BlockSizes", "PallasBackend"]

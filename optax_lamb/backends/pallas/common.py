@@ -1,0 +1,262 @@
+"""What the three kernel passes share: launch sizes, chunk tables, scalars, operands, the call.
+
+A leaf is processed as flat 1-D chunks of ``block`` elements; a leaf with
+stacked axes as S slices of L elements, each slice its own run of
+``cdiv(L, block)`` chunks (a chunk never spans two slices). A launch takes a
+bucket of up to ``max_leaves_per_call`` leaves, one program per chunk; its
+chunk table (Python ints, fixed at trace time) tells each program its leaf.
+
+Operands are named: a launch passes a list (one entry per leaf of its bucket)
+of ``{name: flat array}``, flattened by `jax.tree` in one fixed order that the
+kernel unflattens back, so the kernel and its ``pallas_call`` never count
+positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from optax_lamb import _leaf, _norms
+from optax_lamb._plan import LeafPlan
+
+# Element offsets inside the kernels are int32 (byte addresses are 64-bit in Triton).
+INT32_LIMIT = 2**31 - 1
+# The Pallas Triton backend is deprecated from jax 0.11 but still works (docs/KERNELS.md).
+_TRITON_DEPRECATION = r"(?is).*triton.*"
+
+
+def _is_power_of_two(n: Any) -> bool:
+  return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Launch configuration.
+
+  Attributes:
+    block: elements per program (one chunk), a power of two.
+    max_leaves_per_call: leaves per ``pallas_call`` (bounds the kernel's parameter
+      space: a leaf brings up to 7 pointers).
+    num_warps: Triton warps per program.
+    num_stages: Triton pipeline stages.
+    sum_block: partial sums added per loop iteration when the per-chunk partial
+      sums are reduced to one per leaf (or stacked slice), a power of two.
+    xla_pass2_min_size: in ``tx.update`` (not ``update_and_apply``), leaves of at
+      least this many elements take pass 2 as an XLA elementwise computation,
+      which XLA fuses with the caller's ``optax.apply_updates`` (one pass that
+      reads p, m, v and writes p); smaller leaves take the pass-2 kernel, which
+      handles a whole bucket of leaves in one launch.
+  """
+
+  block: int = 4096
+  max_leaves_per_call: int = 32
+  num_warps: int = 8
+  num_stages: int = 1
+  sum_block: int = 1024
+  xla_pass2_min_size: int = 1 << 16
+
+  def __post_init__(self):
+    for name in ("block", "num_warps", "sum_block"):
+      if not _is_power_of_two(getattr(self, name)):
+        raise ValueError(f"{name}={getattr(self, name)} must be a power of two (Triton shapes)")
+    for name, low in (("max_leaves_per_call", 1), ("num_stages", 1), ("xla_pass2_min_size", 0)):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value >= low):
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+# ------------------------------------------------------------------------- chunk tables
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafChunks:
+  """A leaf's place in one launch: its plan, its chunks per slice and its first program."""
+
+  leaf: LeafPlan
+  chunks: int  # cdiv(L, block) programs per slice
+  first: int  # first program id of this leaf in its launch
+
+  @property
+  def programs(self) -> int:
+    return self.leaf.slices * self.chunks
+
+
+Table = tuple[LeafChunks, ...]
+
+
+def buckets(leaves: list[LeafPlan], block_sizes: BlockSizes) -> list[Table]:
+  """The chunk tables of the launches over `leaves` (in order, empty leaves left out)."""
+  out, table, first = [], [], 0
+  for leaf in leaves:
+    if leaf.size == 0:
+      continue
+    if leaf.size > INT32_LIMIT - block_sizes.block:
+      raise ValueError(
+        f"leaf {leaf.index} has {leaf.size} elements; the kernels' int32 element offsets "
+        f"need < 2**31 - block={block_sizes.block}"
+      )
+    chunks = -(-leaf.length // block_sizes.block)
+    table.append(LeafChunks(leaf, chunks, first))
+    first += leaf.slices * chunks
+    if len(table) == block_sizes.max_leaves_per_call:
+      out.append(tuple(table))
+      table, first = [], 0
+  if table:
+    out.append(tuple(table))
+  return out
+
+
+def programs(table: Table) -> int:
+  return sum(c.programs for c in table)
+
+
+# ------------------------------------------------------------------------- step scalars
+
+
+RUNTIME = "runtime"  # marks a field of the constants that the kernel reads from the vector
+
+
+def scalar_operands(h: _leaf.Hyperparams) -> tuple[jax.Array, tuple]:
+  """(the float32 vector of the runtime scalars, the constants: `RUNTIME` where runtime).
+
+  The vector's length is a power of two (Triton shapes); constants are static arguments.
+  """
+  constants = tuple(x if _leaf.is_constant(x) else RUNTIME for x in h)
+  values = [jnp.zeros((), jnp.float32) if _leaf.is_constant(x) else x for x in h]
+  values = [jnp.asarray(x, jnp.float32) for x in values]
+  size = 1 << (len(values) - 1).bit_length()
+  return jnp.stack(values + [jnp.zeros((), jnp.float32)] * (size - len(values))), constants
+
+
+def load_hyperparams(ref, constants: tuple) -> _leaf.Hyperparams:
+  """Inside a kernel: each field from its constant, else from the runtime vector."""
+  return _leaf.Hyperparams(*(ref[i] if c is RUNTIME else c for i, c in enumerate(constants)))
+
+
+# ------------------------------------------------------------------------ kernel helpers
+
+
+def chunk(pid, c: LeafChunks, block: int):
+  """(slice index, flat offset of the chunk, mask of its valid elements) of program `pid`."""
+  local = pid - c.first
+  if c.leaf.slices == 1:
+    s, k = jnp.int32(0), local
+  else:
+    s = jax.lax.div(local, jnp.int32(c.chunks))  # local >= 0: a plain truncating division
+    k = local - s * c.chunks
+  start = k * block
+  mask = start + jnp.arange(block, dtype=jnp.int32) < c.leaf.length
+  return s, s * c.leaf.length + start, mask
+
+
+def for_each_leaf(table: Table, body) -> None:
+  """Run body(pid, j, chunks) in the programs of leaf j: a chain of pl.when on the program id."""
+  pid = pl.program_id(0)  # read once, outside the branches (interpret mode needs it there)
+  for j, c in enumerate(table):
+    pl.when((pid >= c.first) & (pid < c.first + c.programs))(functools.partial(body, pid, j, c))
+
+
+def load(ref, start, mask, size):
+  return plt.load(ref.at[pl.ds(start, size)], mask=mask, other=0)
+
+
+def store(ref, start, mask, size, value):
+  plt.store(ref.at[pl.ds(start, size)], value.astype(ref.dtype), mask=mask)
+
+
+def masked_sq_sum(x, mask):
+  # Masked lanes hold other=0 inputs, and u may be 0/0 there when eps = 0: zero them first.
+  return _norms.sq_norm(jnp.where(mask, x.astype(jnp.float32), 0.0))
+
+
+# -------------------------------------------------------------------- the pallas_call
+
+
+def whole(x) -> pl.BlockSpec:
+  """The whole 1-D operand `x` in every program; the kernel indexes it with masked loads."""
+  return pl.BlockSpec((x.shape[0],), lambda i: (0,))
+
+
+def one_per_program() -> pl.BlockSpec:
+  return pl.BlockSpec((pl.squeezed,), lambda i: (i,))
+
+
+def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """ShapeDtypeStruct with `like`'s manual-axis type, for a pallas_call inside shard_map.
+
+  jax 0.10 names the field ``manual_axis_type``; later versions may call it ``vma``.
+  """
+  aval = jax.typeof(like)
+  fields = inspect.signature(jax.ShapeDtypeStruct).parameters
+  for field in ("manual_axis_type", "vma"):
+    value = getattr(aval, field, None)
+    if field in fields and value is not None:
+      return jax.ShapeDtypeStruct(shape, dtype, **{field: value})
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _aliases(inputs: Any, outputs: Any, offset: int, overwrites) -> dict[int, int]:
+  """``input_output_aliases`` from named operands: each output -> the input it overwrites.
+
+  `overwrites(path)` gives the key path in `inputs` of the input that the output at
+  `path` of `outputs` is written over, or None; `offset` counts the operands before `inputs`.
+  """
+  flat_inputs = jax.tree_util.tree_flatten_with_path(inputs)[0]
+  positions = {path: offset + i for i, (path, _) in enumerate(flat_inputs)}
+  out = {}
+  for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(outputs)[0]):
+    in_path = overwrites(path)
+    if in_path is not None:
+      out[positions[in_path]] = i
+  return out
+
+
+def launch(kernel, leading, inputs, outputs, *, table: Table, overwrites, out_specs=None, **kwargs):
+  """One ``pallas_call`` of `kernel` over a bucket, with named operands; returns `outputs`' tree.
+
+  `leading`: operands passed whole before the leaves' (scalars, ratios); `inputs`:
+  the leaves' named arrays; `outputs`: a pytree of ShapeDtypeStructs (specs
+  `out_specs`, default each output whole). The kernel gets the refs of `leading`,
+  then ``refs`` to rebuild with its `in_def` and `out_def` (keyword arguments).
+  """
+  flat_in, in_def = jax.tree.flatten(inputs)
+  flat_out, out_def = jax.tree.flatten(outputs)
+  out_specs = jax.tree.map(whole, outputs) if out_specs is None else out_specs
+  block_sizes, interpret, name = (
+    kwargs.pop("block_sizes"),
+    kwargs.pop("interpret"),
+    kwargs.pop("name"),
+  )
+  result = call(
+    functools.partial(
+      kernel, table=table, block=block_sizes.block, in_def=in_def, out_def=out_def, **kwargs
+    ),
+    (*leading, *flat_in),
+    block_sizes=block_sizes,
+    interpret=interpret,
+    grid=(programs(table),),
+    in_specs=[whole(x) for x in (*leading, *flat_in)],
+    out_specs=jax.tree.leaves(out_specs),
+    out_shape=flat_out,
+    input_output_aliases=_aliases(inputs, outputs, len(leading), overwrites),
+    name=name,
+  )
+  return jax.tree.unflatten(out_def, result)
+
+
+def call(kernel, operands, *, block_sizes: BlockSizes, interpret: bool, **kwargs):
+  """pl.pallas_call(kernel, ...)(*operands) on Triton, without its DeprecationWarning."""
+  # Explicit Triton parameters: with None, jax 0.9-0.11 would pick Mosaic GPU (docs/KERNELS.md).
+  params = plt.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+    return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, **kwargs)(*operands)

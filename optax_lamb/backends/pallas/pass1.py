@@ -1,0 +1,98 @@
+"""Pass 1: the new moments and the per-chunk partial sums of ||p||^2 and ||u||^2.
+
+One program per chunk of an adapted leaf, a bucket of leaves per launch. It
+reads p, g, m, v; writes m', v' in place where the moments are stored
+unrounded (else pass 2 recomputes them from g and the old moments); and
+writes one partial sum of each squared norm per chunk, which `slice_sums`
+adds up per leaf or stacked slice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from optax_lamb import _leaf
+from optax_lamb.backends.pallas import common
+from optax_lamb.backends.pallas.common import BlockSizes, LeafChunks, Table
+
+_INPUTS = ("g", "m", "p", "v")
+
+
+def _writes_moments(c: LeafChunks) -> bool:
+  return not c.leaf.narrow_moments
+
+
+def kernel(scalars_ref, *refs, table: Table, block: int, constants, in_def, out_def):
+  """m', v' (in place where stored unrounded) and the chunk's partial sums of ||p||^2, ||u||^2."""
+  ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
+  moments_out, p_part_ref, u_part_ref = jax.tree.unflatten(out_def, refs[in_def.num_leaves :])
+  h = common.load_hyperparams(scalars_ref, constants)
+
+  def body(pid, j, c):
+    _, start, mask = common.chunk(pid, c, block)
+    x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
+    m, v = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
+    # Every input of this chunk is read above, before its alias is written.
+    for name, value in (("m", m), ("v", v)):
+      if name in moments_out[j]:
+        common.store(moments_out[j][name], start, mask, block, value)
+    u = _leaf.direction(m, v, x["p"], h, decay=c.leaf.decay)
+    p_part_ref[...] = common.masked_sq_sum(_leaf.ratio_params(x["p"], h, decay=c.leaf.decay), mask)
+    u_part_ref[...] = common.masked_sq_sum(u, mask)
+
+  common.for_each_leaf(table, body)
+
+
+@functools.partial(jax.jit, static_argnames=("table", "constants", "block_sizes", "interpret"))
+def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSizes, interpret):
+  """Pass 1 over one bucket. `leaves`: per leaf of `table`, ``{g, m, p, v}`` flat arrays.
+
+  Returns (per leaf ``{m, v}`` for the leaves whose moments it writes, else ``{}``;
+  the p partial sums; the u partial sums), one partial per program.
+  """
+  for j, x in enumerate(leaves):
+    for name in _INPUTS:
+      if x[name].shape != x["p"].shape or x[name].ndim != 1:
+        raise ValueError(
+          f"leaf {j}: {name}.shape={x[name].shape} must equal p.shape={x['p'].shape} (1-D)"
+        )
+  like = leaves[0]["p"]
+  partial = common.out_struct((common.programs(table),), jnp.float32, like)
+  moments_out = [
+    {name: common.out_struct(x[name].shape, x[name].dtype, x[name]) for name in "mv"}
+    if _writes_moments(c)
+    else {}
+    for c, x in zip(table, leaves, strict=True)
+  ]
+  per_program = common.one_per_program()
+  return common.launch(
+    kernel,
+    (scalars,),
+    [{n: x[n] for n in _INPUTS} for x in leaves],
+    (moments_out, partial, partial),
+    out_specs=(jax.tree.map(common.whole, moments_out), per_program, per_program),
+    # m', v' (output paths (0, j, name)) overwrite m, v (input paths (j, name))
+    overwrites=lambda path: path[1:] or None,
+    table=table,
+    constants=constants,
+    block_sizes=block_sizes,
+    interpret=interpret,
+    name="lamb_moments_and_norms",
+  )
+
+
+def reference(h: _leaf.Hyperparams, x, c: LeafChunks, block: int):
+  """What pass 1 computes for one flat leaf `x` ({g, m, p, v}): (m', v', p partials, u partials)."""
+  m_new, v_new = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
+  u = _leaf.direction(m_new, v_new, x["p"], h, decay=c.leaf.decay)
+
+  def partials(y):
+    y = y.astype(jnp.float32).reshape(c.leaf.slices, c.leaf.length)
+    y = jnp.pad(y, ((0, 0), (0, c.chunks * block - c.leaf.length)))
+    return jnp.sum(jnp.square(y).reshape(c.programs, block), axis=1)
+
+  p = _leaf.ratio_params(x["p"], h, decay=c.leaf.decay)
+  return m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype), partials(p), partials(u)

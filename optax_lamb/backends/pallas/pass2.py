@@ -1,0 +1,122 @@
+"""Pass 2: the update -lr r u, or the new params p - lr r u written over p.
+
+One program per chunk, a bucket of leaves per launch. It recomputes u from p
+and the new moments with pass 1's expressions (bit-identical values), or,
+for a leaf pass 1 did not store unrounded moments for (narrow moment dtypes,
+or no adaptation, where pass 1 skips the leaf), from g and the old moments,
+writing the new moments itself. Its jnp twin, `reference`, is also the
+driver's XLA pass 2 for large leaves in ``tx.update``, which XLA fuses with the
+caller's ``optax.apply_updates``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from optax_lamb import _leaf
+from optax_lamb._plan import LeafPlan
+from optax_lamb.backends.pallas import common
+from optax_lamb.backends.pallas.common import BlockSizes, Table
+
+
+def from_grads(leaf: LeafPlan) -> bool:
+  """Whether pass 2 computes this leaf's moments from g (pass 1 did not write them)."""
+  return leaf.narrow_moments or not leaf.adapt
+
+
+def input_names(leaf: LeafPlan) -> tuple[str, ...]:
+  return ("g", "m", "p", "v") if from_grads(leaf) else ("m", "p", "v")
+
+
+def _outputs_like(leaf: LeafPlan) -> dict[str, str]:
+  """Output name -> the input it has the shape and dtype of (and overwrites, in place)."""
+  return {"out": "p", "m": "m", "v": "v"} if from_grads(leaf) else {"out": "p"}
+
+
+def _leaf_step(h, leaf: LeafPlan, x: dict, ratio, *, apply: bool) -> dict:
+  """The outputs of one leaf (or one chunk of it), from its named inputs."""
+  out = {}
+  m, v = x["m"], x["v"]
+  if from_grads(leaf):
+    m, v = _leaf.moments(x["g"], m, v, h, p=x["p"], decay=leaf.decay)
+    out["m"], out["v"] = m, v
+  u = _leaf.direction(m, v, x["p"], h, decay=leaf.decay)
+  ratio = ratio if leaf.adapt else None
+  out["out"] = _leaf.update(u, x["p"], ratio, h, apply=apply, decay=leaf.decay)
+  return out
+
+
+def kernel(
+  scalars_ref, ratios_ref, *refs, table: Table, block: int, constants, apply, in_def, out_def
+):
+  """Per chunk: u again, times the trust ratio and -lr; m', v' too where computed from g."""
+  ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
+  outs = jax.tree.unflatten(out_def, refs[in_def.num_leaves :])
+  h = common.load_hyperparams(scalars_ref, constants)
+
+  def body(pid, j, c):
+    slice_index, start, mask = common.chunk(pid, c, block)
+    x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
+    ratio = ratios_ref[c.leaf.ratio_offset + slice_index] if c.leaf.adapt else None
+    for name, value in _leaf_step(h, c.leaf, x, ratio, apply=apply).items():
+      common.store(outs[j][name], start, mask, block, value)
+
+  common.for_each_leaf(table, body)
+
+
+@functools.partial(
+  jax.jit, static_argnames=("table", "constants", "apply", "block_sizes", "interpret")
+)
+def updates(
+  scalars, ratios, leaves, *, table, constants, apply, block_sizes: BlockSizes, interpret
+):
+  """Pass 2 over one bucket. `leaves`: per leaf of `table`, its `input_names` as flat arrays.
+
+  Returns per leaf ``{out, m, v}`` (``{out}`` where pass 1 wrote the moments):
+  the updates, or the new params with `apply`.
+  """
+  inputs = [{n: x[n] for n in input_names(c.leaf)} for c, x in zip(table, leaves, strict=True)]
+  outputs = [
+    {
+      name: common.out_struct(x[like].shape, x[like].dtype, x[like])
+      for name, like in _outputs_like(c.leaf).items()
+    }
+    for c, x in zip(table, inputs, strict=True)
+  ]
+
+  def overwrites(path):  # (j, name) -> (j, the input it overwrites); the updates only with apply
+    j, name = path[0].idx, path[1].key
+    if name == "out" and not apply:
+      return None
+    return (path[0], jax.tree_util.DictKey(_outputs_like(table[j].leaf)[name]))
+
+  return common.launch(
+    kernel,
+    (scalars, ratios),
+    inputs,
+    outputs,
+    overwrites=overwrites,
+    table=table,
+    constants=constants,
+    apply=apply,
+    block_sizes=block_sizes,
+    interpret=interpret,
+    name="lamb_apply" if apply else "lamb_updates",
+  )
+
+
+def reference(h: _leaf.Hyperparams, leaf: LeafPlan, x: dict, ratios, *, apply: bool) -> dict:
+  """Pass 2 for one leaf of any shape (flat, or as stacked), in jnp: its outputs by name.
+
+  `x` holds the leaf's `input_names`; `ratios` is the step's whole ratio vector.
+  """
+  shape = jnp.shape(x["p"])
+  # One row per stacked slice (a bitcast in XLA), so each row takes its slice's ratio.
+  rows = {name: jnp.reshape(a, (leaf.slices, leaf.length)) for name, a in x.items()}
+  ratio = ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices, None]
+  out = _leaf_step(h, leaf, rows, ratio, apply=apply)
+  stored = {"m": x["m"].dtype, "v": x["v"].dtype, "out": x["p"].dtype}
+  return {name: jnp.reshape(a.astype(stored[name]), shape) for name, a in out.items()}

@@ -1,0 +1,184 @@
+"""What the compat constructors share: argument checks, masks from names, the build, library rules.
+
+Each library's constructor (its own module) checks its arguments with that
+library's names and refusals, maps them onto `optax_lamb._plan.LambConfig`
+(see ``docs/which_lamb.md`` for the mapping), and builds the transformation
+with `make` on the core that every implementation shares.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_lamb import _check_args, _leaf, _norms, _tree
+from optax_lamb._lamb import build
+from optax_lamb._plan import LambConfig
+
+
+def check_betas(name: str, betas: Any) -> tuple[Any, Any]:
+  """A pair of decays in [0, 1), named `name[0]`, `name[1]`."""
+  if not (isinstance(betas, Sequence) and len(betas) == 2):
+    raise TypeError(f"{name} must be a pair (b1, b2), got {name}={betas!r}")
+  for i, beta in enumerate(betas):
+    _check_args.check_in_unit_interval(f"{name}[{i}]", beta)
+  return betas[0], betas[1]
+
+
+def check_number(name: str, value: Any) -> float:
+  """A Python number (the constructor decides something from it when built)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a number, got {name}={value!r}")
+  return float(value)
+
+
+def check_mask(name: str, mask: Any) -> None:
+  _check_args.check_per_leaf(name, mask, "bool")
+
+
+def path_name(path: tuple) -> str:
+  """A key path as a '/'-joined string: dict keys, attribute names and sequence indices."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def regex_mask(patterns: Sequence[str] | None):
+  """callable(params): True on the leaves whose '/'-joined path no pattern `re.search`es."""
+  compiled = [re.compile(p) for p in patterns or ()]
+
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: not any(r.search(path_name(path)) for r in compiled), params
+    )
+
+  return mask
+
+
+def keras_clipping(clipnorm: Any, clipvalue: Any, axis_name: Any):
+  """`build`'s grad_transform for Keras' per-variable clips, or None without one.
+
+  clipvalue: g <- clip(g, -c, c); then clipnorm: g <- g min(1, c / ||g||) per leaf
+  (``c / max(||g||, c)``, Keras' and TensorFlow's clip_by_norm), the squared norm of
+  a sharded leaf summed over its mapped axes.
+  """
+  if clipnorm is None and clipvalue is None:
+    return None
+
+  def transform(grads, params):
+    if clipvalue is not None:
+      grads = jax.tree.map(lambda g: jnp.clip(g, -clipvalue, clipvalue).astype(g.dtype), grads)
+    if clipnorm is not None:
+      leaves, treedef = jax.tree.flatten(grads)
+      names = _tree.resolve_axis_names(axis_name, params)
+      sq = _norms.psum_by_name([_norms.sq_norm(g) for g in leaves], names)
+      factors = [_leaf.clip_factor(s, clipnorm) for s in sq]
+      grads = treedef.unflatten([_leaf.clip(g, f) for g, f in zip(leaves, factors, strict=True)])
+    return grads
+
+  return transform
+
+
+def make(
+  *,
+  learning_rate: Any,
+  learning_rate_name: str,
+  extras: dict,
+  grad_transform: Any = None,
+  **config: Any,
+):
+  """The transformation of one compat constructor: its `LambConfig` fields, then the extras.
+
+  `extras` are the keyword-only arguments every constructor shares (stacked_axes,
+  axis_name, implementation, skip_nonfinite, grad_scale, master_weights).
+  """
+  _check_args.check_non_negative(learning_rate_name, learning_rate, schedule=True)
+  _check_args.check_per_leaf("stacked_axes", extras["stacked_axes"], "int")
+  _check_args.check_axis_name("axis_name", extras["axis_name"])
+  defaults = dict(
+    eps_root=0.0,
+    mask=None,
+    trust_ratio_mask=None,
+    min_trust_ratio=None,
+    max_trust_ratio=None,
+    max_grad_norm=None,
+  )
+  lamb_config = LambConfig(
+    learning_rate=learning_rate,
+    stacked_axes=extras["stacked_axes"],
+    axis_name=extras["axis_name"],
+    **{**defaults, **config},
+  )
+  return build(
+    lamb_config,
+    implementation=extras["implementation"],
+    skip_nonfinite=extras["skip_nonfinite"],
+    grad_scale=extras["grad_scale"],
+    master_weights=extras["master_weights"],
+    grad_transform=grad_transform,
+  )
+
+
+NO_LEAF = False  # a trust_ratio_mask prefix that matches every leaf: no leaf adapts
+
+
+def extras(stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights):
+  return dict(
+    stacked_axes=stacked_axes,
+    axis_name=axis_name,
+    implementation=implementation,
+    skip_nonfinite=skip_nonfinite,
+    grad_scale=grad_scale,
+    master_weights=master_weights,
+  )
+
+
+def adapted_unless_undecayed(always: bool, weight_decay: float, weight_decay_mask: Any) -> Any:
+  """apex and timm: a leaf adapts iff its group's weight decay is not 0, or always."""
+  if always:
+    return None
+  return weight_decay_mask if weight_decay != 0 else NO_LEAF
+
+
+def torch_clip(max_grad_norm: Any, library: str) -> float | None:
+  """apex's and timm's max_grad_norm: g / max(G / c, 1); 0 zeroes every gradient; inf: none."""
+  value = check_number("max_grad_norm", max_grad_norm)
+  if not value >= 0.0:
+    raise ValueError(
+      f"max_grad_norm must be a number >= 0 (0 zeroes every gradient, as {library} does; a "
+      f"negative threshold, which would flip the gradients' signs, is refused), got "
+      f"max_grad_norm={max_grad_norm!r}"
+    )
+  return None if value == math.inf else value
+
+
+def is_number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
+  """Keras 3: at most one clip option (ValueError); one that is not > 0 clips nothing."""
+  given = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
+  for name, value in given.items():
+    if value is not None:
+      check_number(name, value)
+  if sum(v is not None for v in given.values()) > 1:
+    raise ValueError(
+      "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
+      f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
+    )
+  return {
+    name: (value if value is not None and value > 0 else None) for name, value in given.items()
+  }

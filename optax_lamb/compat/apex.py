@@ -1,0 +1,106 @@
+"""apex's ``FusedLAMB``, exactly (the optimizer of NVIDIA's BERT recipe)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optax_lamb import _check_args
+from optax_lamb.compat import _common
+
+
+def apex_fused_lamb(
+  lr: Any = 1e-3,
+  bias_correction: bool = True,
+  betas: tuple[float, float] = (0.9, 0.999),
+  eps: float = 1e-6,
+  weight_decay: float = 0.01,
+  amsgrad: bool = False,
+  adam_w_mode: bool = True,
+  grad_averaging: bool = True,
+  max_grad_norm: float = 1.0,
+  use_nvlamb: bool = False,
+  *,
+  weight_decay_mask: Any = None,
+  set_grad_none: bool = True,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Any = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
+):
+  r"""``apex.optimizers.FusedLAMB``, the optimizer of NVIDIA's BERT recipe.
+
+  Source: NVIDIA/apex at commit 6424da3b4faa6c8f062da4a48c424fff3f02d42d,
+  ``apex/optimizers/fused_lamb.py`` lines 63-244 and ``csrc/multi_tensor_lamb.cu``
+  lines 38-319. Per step, with G the global norm of all gradients:
+
+  .. math::
+    g &\leftarrow g \min(1, c / G) \quad (c = \mathrm{max\_grad\_norm};\ c = 0: g = 0) \\
+    g &\leftarrow g + \lambda p \quad (\text{adam\_w\_mode=False: L2, decayed leaves}) \\
+    m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without grad\_averaging}),
+      \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
+    u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} \; (+ \lambda p \text{ with adam\_w\_mode,
+      decayed leaves}) \\
+    p &\leftarrow p - \eta\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0)}
+
+  A leaf gets the trust ratio only where its group's weight decay is not 0
+  (``weight_decay != 0`` and ``weight_decay_mask`` True), or everywhere with
+  ``use_nvlamb``; elsewhere r = 1.
+
+  Args:
+    lr: learning rate, a float >= 0 or an optax schedule.
+    bias_correction: divide m and v by 1 - b^t inside u.
+    betas: (b1, b2), each in [0, 1).
+    eps: added to sqrt(v / bc2).
+    weight_decay: lambda, a number >= 0 (decides which leaves adapt when built).
+    amsgrad: apex refuses True (RuntimeError), and so does this.
+    adam_w_mode: True: decay inside u (AdamW style); False: L2 added to the
+      clipped gradient before the moments.
+    grad_averaging: scale g by 1 - b1 in m.
+    max_grad_norm: c, a number >= 0; 0 zeroes every gradient as apex does.
+      ``None`` is a TypeError (apex fails with one in its kernel call); a
+      negative c (apex: every gradient's sign flipped) is a ValueError.
+    use_nvlamb: every leaf adapts, decayed or not.
+    weight_decay_mask: torch's parameter groups (see the module docstring).
+    set_grad_none: accepted and ignored (apex zeroes torch gradient buffers with it).
+    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
+      in :func:`optax_lamb.lamb`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+  """
+  del set_grad_none
+  if amsgrad:
+    raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+  if max_grad_norm is None:
+    raise TypeError("max_grad_norm must be a number (apex's kernel needs one), got None")
+  b1, b2 = _common.check_betas("betas", betas)
+  _check_args.check_non_negative("eps", eps)
+  weight_decay = _common.check_number("weight_decay", weight_decay)
+  _check_args.check_non_negative("weight_decay", weight_decay)
+  for name, flag in (
+    ("bias_correction", bias_correction),
+    ("adam_w_mode", adam_w_mode),
+    ("grad_averaging", grad_averaging),
+    ("use_nvlamb", use_nvlamb),
+  ):
+    _check_args.check_bool(name, flag)
+  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  return _common.make(
+    learning_rate=lr,
+    learning_rate_name="lr",
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    weight_decay=weight_decay,
+    mask=weight_decay_mask,
+    weight_decay_placement="direction" if adam_w_mode else "gradient",
+    bias_correction=bias_correction,
+    grad_averaging=grad_averaging,
+    trust_ratio_mask=_common.adapted_unless_undecayed(use_nvlamb, weight_decay, weight_decay_mask),
+    max_grad_norm=_common.torch_clip(max_grad_norm, "apex"),
+    extras=_common.extras(
+      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
+    ),
+  )

@@ -1,0 +1,115 @@
+"""DeepSpeed's ``FusedLamb``, exactly."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from optax_lamb import _check_args
+from optax_lamb.compat import _common
+
+DEEPSPEED_CLIP_EPS = 1e-6  # added to the gradient norm before it is compared with max_grad_norm
+
+
+def deepspeed_fused_lamb(
+  lr: Any = 1e-3,
+  bias_correction: bool = True,
+  betas: tuple[float, float] = (0.9, 0.999),
+  eps: float = 1e-8,
+  eps_inside_sqrt: bool = False,
+  weight_decay: float = 0.0,
+  max_grad_norm: float = 0.0,
+  max_coeff: float = 10.0,
+  min_coeff: float = 0.01,
+  amsgrad: bool = False,
+  *,
+  weight_decay_mask: Any = None,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Any = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
+):
+  r"""``deepspeed.ops.lamb.FusedLamb``.
+
+  Source: deepspeedai/DeepSpeed at commit edaa7221267243c7be7fb49c5d5f5c4fb97b4641,
+  ``deepspeed/ops/lamb/fused_lamb.py`` lines 41-170 and
+  ``csrc/lamb/fused_lamb_cuda_kernel.cu`` lines 194-370. Per step:
+
+  .. math::
+    g &\leftarrow g \cdot c / (G + 10^{-6}) \quad \text{when } G + 10^{-6} > c > 0 \\
+    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2
+      \quad \text{(no bias correction inside u)} \\
+    u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{eps\_inside\_sqrt: }
+      m / \sqrt{v + \epsilon}) \\
+    r &= \max(\min(\|p\| / \|u\|, \text{max\_coeff}), \text{min\_coeff}) \quad
+      (1, \text{unclamped, if either norm is } 0) \\
+    p &\leftarrow p - \eta \sqrt{bc_2} / bc_1 \, r\, u \quad (\eta \text{ without bias\_correction})
+
+  Every leaf adapts, decayed or not.
+
+  Decisions: G is the global norm of all gradients (DeepSpeed divides by the
+  norm its caller passes to ``step(grad_norms=...)``; its FP16 wrapper passes
+  per-group norms). With ``min_coeff > max_coeff`` DeepSpeed's clamps (max
+  first, then min) give r = min_coeff, and so does this. A negative
+  ``min_coeff`` clamps nothing, as in DeepSpeed; a negative ``max_coeff``
+  (negative ratios) is refused with a ValueError.
+
+  Args:
+    lr: learning rate, a float >= 0 or an optax schedule.
+    bias_correction: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
+    betas: (b1, b2), each in [0, 1).
+    eps: added to sqrt(v), or inside it with ``eps_inside_sqrt``.
+    eps_inside_sqrt: u = m / sqrt(v + eps).
+    weight_decay: lambda >= 0, added to u on decayed leaves.
+    max_grad_norm: c; 0 or less: no clipping.
+    max_coeff: upper clamp of the trust ratio (``inf``: none).
+    min_coeff: lower clamp of the trust ratio.
+    amsgrad: DeepSpeed refuses True (RuntimeError), and so does this.
+    weight_decay_mask: torch's parameter groups (see the module docstring).
+    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
+      in :func:`optax_lamb.lamb`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+  """
+  if amsgrad:
+    raise RuntimeError("FusedLamb does not support the AMSGrad variant.")
+  b1, b2 = _common.check_betas("betas", betas)
+  _check_args.check_non_negative("eps", eps)
+  _check_args.check_bool("eps_inside_sqrt", eps_inside_sqrt)
+  _check_args.check_bool("bias_correction", bias_correction)
+  _check_args.check_non_negative("weight_decay", weight_decay)
+  clip = _common.check_number("max_grad_norm", max_grad_norm)
+  if math.isnan(clip):
+    raise ValueError(f"max_grad_norm must be a number, got max_grad_norm={max_grad_norm!r}")
+  high, low = (
+    _common.check_number("max_coeff", max_coeff),
+    _common.check_number("min_coeff", min_coeff),
+  )
+  if not high >= 0.0:
+    raise ValueError(f"max_coeff must be >= 0 (r > 0), got max_coeff={max_coeff!r}")
+  if not -math.inf < low < math.inf:
+    raise ValueError(f"min_coeff must be a finite number, got min_coeff={min_coeff!r}")
+  high = max(high, low)  # min_coeff > max_coeff: DeepSpeed clamps with max, then min: r = min_coeff
+  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  return _common.make(
+    learning_rate=lr,
+    learning_rate_name="lr",
+    b1=b1,
+    b2=b2,
+    eps=0.0 if eps_inside_sqrt else eps,
+    eps_root=eps if eps_inside_sqrt else 0.0,
+    weight_decay=weight_decay,
+    mask=weight_decay_mask,
+    bias_correction=bias_correction,
+    bias_correction_placement="step_size",
+    min_trust_ratio=low if low > 0 else None,
+    max_trust_ratio=None if high == math.inf else high,
+    max_grad_norm=clip if clip > 0 else None,
+    clip_norm_eps=DEEPSPEED_CLIP_EPS,
+    extras=_common.extras(
+      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
+    ),
+  )

@@ -1,0 +1,142 @@
+"""timm's ``Lamb``, exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optax_lamb import _check_args
+from optax_lamb.compat import _common
+
+
+def _timm_validate(name: str, value: Any, argument: str) -> None:
+  """timm's _validate_scalar: a negative value is a ValueError('Invalid <name>: <value>')."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+    raise ValueError(f"Invalid {name}: {value} ({argument}={value!r}; timm refuses < 0)")
+
+
+def timm_lamb(
+  lr: Any = 1e-3,
+  bias_correction: bool = True,
+  betas: tuple[float, float] = (0.9, 0.999),
+  eps: float = 1e-6,
+  weight_decay: float = 0.01,
+  grad_averaging: bool = True,
+  max_grad_norm: float | None = 1.0,
+  trust_clip: bool = False,
+  always_adapt: bool = False,
+  caution: bool = False,
+  decoupled_decay: bool = False,
+  corrected_weight_decay: bool = False,
+  *,
+  weight_decay_mask: Any = None,
+  base_lr: float | None = None,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Any = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
+):
+  r"""``timm.optim.Lamb``.
+
+  Source: huggingface/pytorch-image-models at commit
+  aa4b5850c1543fa488abf260f18390eda46cf85d (timm 1.0.29), ``timm/optim/lamb.py``
+  lines 90-252 and ``timm/optim/_helpers.py`` lines 37-83. Per step:
+
+  .. math::
+    g &\leftarrow g / \max(G / c, 1) \quad (c = \mathrm{max\_grad\_norm};\ c = 0: g = 0) \\
+    m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without
+      grad\_averaging}), \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
+    u &= \frac{m / bc_1}{\sqrt{v} / \sqrt{bc_2} + \epsilon}; \quad \text{caution: }
+      \kappa = [u g > 0],\ u \leftarrow u \kappa / \max(\mathrm{mean}(\kappa), 10^{-3}) \\
+    u &\leftarrow u + \lambda p, \text{ or with decoupled\_decay } p \leftarrow p - s \lambda p
+      \text{ first } (s = \eta_t, \text{ or } \eta_t^2 / \eta_0 \text{ corrected}) \\
+    p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0;
+      trust\_clip: } \min(r, 1))
+
+  A leaf decays where ``weight_decay != 0`` and ``weight_decay_mask`` is True,
+  and gets the trust ratio there (everywhere with ``always_adapt``).
+
+  Decisions: timm's ``corrected_weight_decay`` divides by the constructor's lr,
+  eta_0, which a torch scheduler then scales: with an optax schedule as ``lr``
+  pass that base as ``base_lr`` (a float ``lr`` is its own base). caution's
+  mean is over each leaf's elements, or each stacked slice's with
+  ``stacked_axes``. ``max_grad_norm=0`` zeroes the gradients as timm does (timm
+  gives NaN when every gradient is 0; here they stay 0); a negative one is a
+  ValueError.
+
+  Args:
+    lr: learning rate eta_t, a float >= 0 or an optax schedule.
+    bias_correction: divide m and v by 1 - b^t inside u.
+    betas: (b1, b2), each in [0, 1).
+    eps: added to sqrt(v) / sqrt(bc2), >= 0.
+    weight_decay: lambda, a number >= 0 (decides which leaves adapt when built).
+    grad_averaging: scale g by 1 - b1 in m.
+    max_grad_norm: c >= 0, or None: no clipping.
+    trust_clip: clamp the trust ratio at 1.
+    always_adapt: every leaf adapts, decayed or not.
+    caution: timm's cautious update.
+    decoupled_decay: shrink p by s lambda p before the step, outside the ratio.
+    corrected_weight_decay: s = eta_t^2 / eta_0 instead of eta_t.
+    weight_decay_mask: torch's parameter groups (see the module docstring).
+    base_lr: eta_0 for ``corrected_weight_decay`` with a schedule as ``lr``.
+    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
+      in :func:`optax_lamb.lamb`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+  """
+  _timm_validate("learning rate", lr, "lr")
+  _timm_validate("epsilon", eps, "eps")
+  _timm_validate("weight_decay", weight_decay, "weight_decay")
+  b1, b2 = _common.check_betas("betas", betas)
+  _check_args.check_non_negative("eps", eps)
+  weight_decay = _common.check_number("weight_decay", weight_decay)
+  _check_args.check_non_negative("weight_decay", weight_decay)
+  for name, flag in (
+    ("bias_correction", bias_correction),
+    ("grad_averaging", grad_averaging),
+    ("trust_clip", trust_clip),
+    ("always_adapt", always_adapt),
+    ("caution", caution),
+    ("decoupled_decay", decoupled_decay),
+    ("corrected_weight_decay", corrected_weight_decay),
+  ):
+    _check_args.check_bool(name, flag)
+  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  clip = None if max_grad_norm is None else _common.torch_clip(max_grad_norm, "timm")
+  decoupled = decoupled_decay and weight_decay != 0
+  corrected = decoupled and corrected_weight_decay
+  if base_lr is not None:
+    if not callable(lr):
+      raise ValueError(f"base_lr is for an lr schedule; a float lr is its own base, got lr={lr!r}")
+    _check_args.check_positive("base_lr", base_lr)
+  elif corrected:
+    if callable(lr):
+      raise ValueError(
+        "corrected_weight_decay=True with an lr schedule needs base_lr: timm divides by the "
+        "constructor's lr, which a torch scheduler scales (got base_lr=None)"
+      )
+    base_lr = lr
+  return _common.make(
+    learning_rate=lr,
+    learning_rate_name="lr",
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    weight_decay=weight_decay,
+    mask=weight_decay_mask,
+    weight_decay_placement="params" if decoupled else "direction",
+    decay_base_lr=base_lr if corrected else None,
+    bias_correction=bias_correction,
+    grad_averaging=grad_averaging,
+    trust_ratio_mask=_common.adapted_unless_undecayed(
+      always_adapt, weight_decay, weight_decay_mask
+    ),
+    max_trust_ratio=1.0 if trust_clip else None,
+    max_grad_norm=clip,
+    caution=caution,
+    extras=_common.extras(
+      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
+    ),
+  )

@@ -1,0 +1,92 @@
+"""torch_optimizer's ``Lamb``, exactly."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from optax_lamb import _check_args
+from optax_lamb.compat import _common
+
+
+def torch_optimizer_lamb(
+  lr: Any = 1e-3,
+  betas: tuple[float, float] = (0.9, 0.999),
+  eps: float = 1e-6,
+  weight_decay: float = 0,
+  clamp_value: float = 10,
+  adam: bool = False,
+  debias: bool = False,
+  *,
+  weight_decay_mask: Any = None,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Any = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
+):
+  r"""``torch_optimizer.Lamb`` (pytorch-optimizer).
+
+  Source: jettify/pytorch-optimizer at commit 51e361cb881eda64b4142a315c9529a9ac9950ae
+  (release 0.3.0), ``torch_optimizer/lamb.py`` lines 45-158. Per step:
+
+  .. math::
+    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2
+      \quad \text{(no clipping; no bias correction inside u)} \\
+    u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{decayed leaves}) \\
+    r &= \min(\|p\|, \text{clamp\_value}) / \|u\| \quad (1 \text{ if either is 0; adam: } r = 1) \\
+    p &\leftarrow p - \eta \sqrt{bc_2} / bc_1\, r\, u \quad (\eta \text{ without debias})
+
+  Every leaf adapts unless ``adam``. ``clamp_value=0`` makes every ratio 1.
+
+  Args:
+    lr: learning rate, a float > 0 (torch_optimizer refuses <= 0) or an optax schedule.
+    betas: (b1, b2), each in [0, 1) (ValueError otherwise, as torch_optimizer).
+    eps: added to sqrt(v), >= 0.
+    weight_decay: lambda >= 0, added to u on decayed leaves.
+    clamp_value: upper clamp of ||p|| in the ratio, >= 0 (``inf``: none).
+    adam: no trust ratio (r = 1 for every leaf).
+    debias: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
+    weight_decay_mask: torch's parameter groups (see the module docstring).
+    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
+      in :func:`optax_lamb.lamb`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+  """
+  if not callable(lr) and _common.is_number(lr) and not lr > 0.0:
+    raise ValueError(f"Invalid learning rate: {lr} (lr={lr!r}; torch_optimizer needs lr > 0)")
+  if _common.is_number(eps) and not eps >= 0.0:
+    raise ValueError(f"Invalid epsilon value: {eps} (eps={eps!r})")
+  for i in range(2):
+    beta = betas[i] if isinstance(betas, (tuple, list)) and len(betas) == 2 else None
+    if _common.is_number(beta) and not 0.0 <= beta < 1.0:
+      raise ValueError(f"Invalid beta parameter at index {i}: {beta} (betas={betas!r})")
+  if _common.is_number(weight_decay) and not weight_decay >= 0:
+    raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay={weight_decay!r})")
+  clamp = _common.check_number("clamp_value", clamp_value)
+  if not clamp >= 0.0:
+    raise ValueError(f"Invalid clamp value: {clamp_value} (clamp_value={clamp_value!r})")
+  b1, b2 = _common.check_betas("betas", betas)
+  _check_args.check_non_negative("eps", eps)
+  _check_args.check_non_negative("weight_decay", weight_decay)
+  _check_args.check_bool("adam", adam)
+  _check_args.check_bool("debias", debias)
+  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  return _common.make(
+    learning_rate=lr,
+    learning_rate_name="lr",
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    weight_decay=weight_decay,
+    mask=weight_decay_mask,
+    bias_correction=debias,
+    bias_correction_placement="step_size",
+    trust_ratio_mask=_common.NO_LEAF if adam else None,
+    max_param_norm=None if clamp == math.inf else clamp,
+    extras=_common.extras(
+      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
+    ),
+  )

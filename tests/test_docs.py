@@ -1,0 +1,114 @@
+"""The documentation's promises: every public symbol has an API entry, every example runs.
+
+Docstring examples run as doctests. The Python blocks of the README and of
+each docs page run in order in one namespace per page (as a reader would paste
+them), after a small preamble defining the names the snippets assume (params,
+a loss, a batch, a mesh); a block that defines ``train_step`` is then called.
+The site itself is built (with warnings as errors) by ``.ci/run``.
+"""
+
+import doctest
+import glob
+import importlib.util
+import inspect
+import os
+import re
+
+import jax
+import pytest
+
+import optax_lamb
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))]
+PREAMBLE = """
+import jax, jax.numpy as jnp, numpy as np, optax, optax_lamb
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+batch = jnp.ones((8, 4))
+
+
+def loss_fn(params, batch):
+  return jnp.mean((batch @ params["w"] + params["b"]) ** 2)
+
+
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+param_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+"""
+
+
+def public_modules():
+  modules = [optax_lamb]
+  try:
+    from optax_lamb import compat
+  except ImportError:  # before the compat module exists
+    return modules
+  return [*modules, compat]
+
+
+def test_every_public_symbol_has_an_api_entry():
+  with open(os.path.join(ROOT, "docs", "api.md")) as f:
+    documented = set(re.findall(r"\.\. auto(?:function|class):: ([\w.]+)", f.read()))
+  missing = [
+    f"{module.__name__}.{name}"
+    for module in public_modules()
+    for name in module.__all__
+    if not inspect.ismodule(getattr(module, name))  # a module's symbols have their own entries
+    and f"{module.__name__}.{name}" not in documented
+  ]
+  assert not missing, f"no API entry in docs/api.md for {missing}"
+
+
+def docstring_examples():
+  finder = doctest.DocTestFinder()
+  seen, tests = set(), []
+  for module in public_modules():
+    for name in module.__all__:
+      obj = getattr(module, name)
+      if inspect.ismodule(obj):
+        continue
+      for test in finder.find(obj, f"{module.__name__}.{name}"):
+        if test.examples and id(obj) not in seen:
+          tests.append(test)
+      seen.add(id(obj))
+  return tests
+
+
+@pytest.mark.parametrize("test", docstring_examples(), ids=lambda t: t.name)
+def test_docstring_examples_run(test):
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  runner.run(test)
+  assert runner.failures == 0, f"{test.name}: {runner.failures} failing example(s)"
+
+
+def python_blocks(page):
+  with open(os.path.join(ROOT, page)) as f:
+    return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)])
+def test_python_blocks_of_a_page_run_in_order(page):
+  namespace = {}
+  exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)
+  for i, block in enumerate(python_blocks(page)):
+    exec(compile(block, f"{page} block {i + 1}", "exec"), namespace)
+    step = namespace.pop("train_step", None)
+    if step is not None:  # call it as the page would, with the names it takes
+      if "opt_state" not in namespace:
+        namespace["opt_state"] = namespace["tx"].init(namespace["params"])
+      if "loss_scale" in inspect.signature(step).parameters and "loss_scale" not in namespace:
+        raise AssertionError(f"{page} block {i + 1}: train_step needs a loss_scale")
+      args = [namespace[name] for name in inspect.signature(step).parameters]
+      out = step(*args)
+      assert all(bool(jax.numpy.isfinite(x).all()) for x in jax.tree.leaves(out))
+
+
+def test_readme_figures_are_rendered_from_the_committed_results():
+  spec = importlib.util.spec_from_file_location("_render", os.path.join(ROOT, "docs", "_render.py"))
+  render = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(render)
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  results = os.path.join(ROOT, "benchmarks", "results")
+  assert render.readme_with_headline(readme, results) == readme, "run: python -m docs._render"
