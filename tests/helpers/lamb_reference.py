@@ -37,26 +37,10 @@ def _as_fn(x):
 class NumpyLamb:
   """Float64 LAMB on a flat dict of arrays."""
 
-  def __init__(
-    self,
-    learning_rate,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-6,
-    eps_root=0.0,
-    weight_decay=0.0,
-    decay_mask=None,
-    bias_correction=True,
-    adapt_mask=None,
-    min_ratio=None,
-    max_ratio=None,
-    max_grad_norm=None,
-    stacked_axes=None,
-    grad_scale=None,
-    skip_nonfinite=False,
-    store_mu=None,
-    store_nu=None,
-  ):
+  def __init__(self, learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0,
+               weight_decay=0.0, decay_mask=None, bias_correction=True, adapt_mask=None,
+               min_ratio=None, max_ratio=None, max_grad_norm=None, stacked_axes=None,
+               grad_scale=None, skip_nonfinite=False, store_mu=None, store_nu=None):  # fmt: skip
     self.lr = _as_fn(learning_rate)
     self.wd = _as_fn(weight_decay)
     self.b1, self.b2, self.eps, self.eps_root = b1, b2, eps, eps_root
