@@ -93,10 +93,15 @@ def _assert_within(got, want, tolerance, what: str, kind: str = "") -> None:
     )
 
 
-def assert_within_ulps(got, want, dtype, ulps: float = 1, err_msg: str = "") -> None:
-  """Elementwise |got - want| <= `ulps` units in the last place of `dtype` at the larger value."""
+def assert_within_ulps(got, want, dtype, ulps: float = 1, err_msg: str = "", before=0.0) -> None:
+  """Elementwise |got - want| <= `ulps` units in the last place of `dtype` at the larger value.
+
+  `before`: how far apart the two values may have been before they were rounded to
+  `dtype` (elementwise); two values d apart round at most u (1 + floor(d / u)) apart.
+  """
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  tolerance = ulps * ulp(np.maximum(np.abs(got), np.abs(want)), dtype)
+  spacing = ulp(np.maximum(np.abs(got), np.abs(want)), dtype)
+  tolerance = spacing * (ulps + np.floor(np.asarray(before, np.float64) / spacing))
   # (a value that rounded the other way is exactly one ulp off: margin 1 by design)
   _assert_within(got, want, tolerance, f"{err_msg} ({ulps} {jnp.dtype(dtype).name} ulp)", " [ulps]")
 
