@@ -47,8 +47,9 @@ print("backend", jax.default_backend(), "devices", jax.devices())
 EOF'
 
 # The compiled kernels (TestPallasGPU) and the dispatcher; the interpreted twin runs in CPU CI.
-stage pytest 180 python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -k "not Interpret" \
-  tests/test_pallas.py tests/test_dispatch.py
+stage pytest 400 python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -k "not Interpret" \
+  tests/backends/test_pallas_kernels.py tests/backends/test_conformance.py::TestPallasCompiled \
+  tests/backends/test_dispatch.py tests/integration/test_sharded_jit.py
 
 # What users see: device-only and end-to-end step time, buffers, kernels (benchmarks/step.py).
 IMPLS="optax.lamb optax_lamb.lamb update_and_apply xla.lamb optax_lamb.lamb-bf16"

@@ -22,9 +22,6 @@ import pytest  # noqa: E402
 from helpers import asserts, seeds  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-if seeds.fixed() is not None:  # tests/test_pallas.py reads its own variable
-  os.environ.setdefault("PALLAS_TEST_SEED", str(seeds.fixed()))
-
 # differing_executors: the conformance suite runs one property test per implementation class.
 _HYPOTHESIS = dict(deadline=None, suppress_health_check=[
   HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors])  # fmt: skip
@@ -50,12 +47,6 @@ def seed(request) -> int:
 def rng(seed) -> np.random.Generator:
   """A NumPy generator seeded with this test's seed."""
   return np.random.default_rng(seed)
-
-
-@pytest.fixture
-def fresh_rng(rng) -> np.random.Generator:
-  """tests/test_dispatch.py's name for `rng`, until that file moves."""
-  return rng
 
 
 _SEED = pytest.StashKey[int]()

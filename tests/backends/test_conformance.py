@@ -1,5 +1,7 @@
 """Every implementation runs the conformance suite (`conformance.py`); a new one joins by one line."""
 
+import jax
+import pytest
 from conformance import Conformance
 
 
@@ -13,6 +15,11 @@ class TestXlaRecomputeU(Conformance):
 
 class TestPallasInterpret(Conformance):
   IMPLEMENTATION = "pallas"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
+class TestPallasCompiled(Conformance):
+  IMPLEMENTATION = "pallas-compiled"
 
 
 class TestReference(Conformance):

@@ -15,13 +15,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import _fast_compile
 import cases
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import problem
+from helpers import fast_compile as _fast_compile
 
 import optax_lamb
 from optax_lamb import compat

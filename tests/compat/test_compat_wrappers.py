@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 
-import _fast_compile
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from compat_runs import (
   stacked_gradients,
   trajectory,
 )
+from helpers import fast_compile as _fast_compile
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_compat_libraries import TOLERANCE, _expected

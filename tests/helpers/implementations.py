@@ -11,6 +11,8 @@
   small option tree; a fallback to the XLA path is an error;
 - ``"pallas-tiny-blocks"``: the same with 16-element blocks and 2 leaves per
   launch, for the property tests' trees of a few elements;
+- ``"pallas-compiled"``: the kernels compiled by Triton, with the tiny blocks
+  (a GPU only);
 - ``"reference"``: the plain chain of stages.
 
 The configurations are backend objects passed as ``implementation=``; for the
@@ -54,6 +56,7 @@ _CONFIGURATIONS = {
   "xla-recompute-u": (XlaBackend(materialize_u_max_size=0), contextlib.nullcontext),
   "pallas": (PallasBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
   "pallas-tiny-blocks": (PallasBackend(block_sizes=TINY_BLOCKS, interpret=True), _no_fallback),
+  "pallas-compiled": (PallasBackend(block_sizes=PALLAS_BLOCKS, interpret=False), _no_fallback),
   "reference": ("reference", contextlib.nullcontext),
 }
 IMPLEMENTATIONS = tuple(_CONFIGURATIONS)

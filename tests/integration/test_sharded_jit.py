@@ -27,11 +27,11 @@ import math
 import re
 import warnings
 
-import _fast_compile
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fast_compile as _fast_compile
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 

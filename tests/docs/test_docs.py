@@ -19,7 +19,7 @@ import pytest
 
 import optax_lamb
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))]
 PREAMBLE = """
 import jax, jax.numpy as jnp, numpy as np, optax, optax_lamb
