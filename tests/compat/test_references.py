@@ -94,27 +94,27 @@ def test_reference_refuses_what_library_refuses(library, name):
 
 # --- the problem tells the flavours apart -------------------------------------------------------
 
+# library: {case: that library's cases one formula choice away from it}. timm: "decoupled" decays
+# outside the ratio, before the step ("decay": inside it); DeepSpeed: "no_bias_correction" drops
+# the bias correction it applies on the step size.
+_ONE_CHOICE_APART = {
+  "timm": {
+    "decay": ("decoupled", "no_averaging", "caution", "always_adapt_trust_clip", "no_clip"),
+    "decoupled": ("decoupled_corrected_warmup",),
+  },
+  "apex": {"decay": ("l2", "nvlamb")},
+  "deepspeed": {"decay": ("eps_inside_sqrt", "no_bias_correction", "unclamped", "tight_clamps")},
+  "torch_optimizer": {"decay": ("debias", "clamp_1", "adam")},
+  "keras": {"decay": ("global_clip5",), "defaults": ("decay",)},
+  "tfa": {"decay": ("separate_adaptation", "no_exclusions")},
+}
 # (library, case, library, case): one formula choice apart
 DIFFERENT = [
-  ("timm", "decay", "timm", "decoupled"),  # decay inside the ratio / outside it, before the step
-  ("timm", "decay", "timm", "no_averaging"),
-  ("timm", "decay", "timm", "caution"),
-  ("timm", "decay", "timm", "always_adapt_trust_clip"),
-  ("timm", "decay", "timm", "no_clip"),
-  ("timm", "decoupled", "timm", "decoupled_corrected_warmup"),
-  ("apex", "decay", "apex", "l2"),
-  ("apex", "decay", "apex", "nvlamb"),
-  ("deepspeed", "decay", "deepspeed", "eps_inside_sqrt"),
-  ("deepspeed", "decay", "deepspeed", "no_bias_correction"),  # bias correction on the step size
-  ("deepspeed", "decay", "deepspeed", "unclamped"),
-  ("deepspeed", "decay", "deepspeed", "tight_clamps"),
-  ("torch_optimizer", "decay", "torch_optimizer", "debias"),
-  ("torch_optimizer", "decay", "torch_optimizer", "clamp_1"),
-  ("torch_optimizer", "decay", "torch_optimizer", "adam"),
-  ("keras", "decay", "keras", "global_clip5"),
-  ("keras", "defaults", "keras", "decay"),
-  ("tfa", "decay", "tfa", "separate_adaptation"),
-  ("tfa", "decay", "tfa", "no_exclusions"),
+  (library, case, library, other)
+  for library, apart in _ONE_CHOICE_APART.items()
+  for case, others in apart.items()
+  for other in others
+] + [
   ("tfa", "decay", "keras", "decay"),  # excluded leaves adapt / not; decay inside the ratio / not
   ("timm", "no_clip", "tfa", "no_exclusions"),  # adapts only decayed leaves / every leaf
 ]

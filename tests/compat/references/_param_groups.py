@@ -28,6 +28,15 @@ def param_groups(params, defaults: dict) -> list[dict]:
   return built
 
 
+def torch_defaults(arguments: Mapping[str, object], names: str) -> dict:
+  """The `defaults` a torch optimizer's constructor writes out as `dict(lr=lr, betas=betas, ...)`.
+
+  `arguments` is the constructor's `locals()`; `names` lists the arguments that go into the
+  defaults, space-separated, in the library's order.
+  """
+  return {name: arguments[name] for name in names.split()}
+
+
 def all_params(groups: list[dict]) -> dict[str, np.ndarray]:
   """Every group's parameters in one dict (the arrays themselves, not copies)."""
   return {name: p for group in groups for name, p in group["params"].items()}

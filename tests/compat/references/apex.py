@@ -30,37 +30,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._param_groups import all_params, param_groups
+from ._param_groups import all_params, param_groups, torch_defaults
 
 
 class FusedLAMB:
   """apex.optimizers.FusedLAMB: `params` a dict path -> array or a list of torch-style groups."""
 
-  def __init__(
-    self,
-    params,
-    lr=1e-3,
-    bias_correction=True,
-    betas=(0.9, 0.999),
-    eps=1e-6,
-    weight_decay=0.01,
-    amsgrad=False,
-    adam_w_mode=True,
-    grad_averaging=True,
-    set_grad_none=True,
-    max_grad_norm=1.0,
-    use_nvlamb=False,
-  ):
+  def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+               weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
+               set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False):  # fmt: skip
     if amsgrad:
       raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-    self.defaults = dict(
-      lr=lr,
-      bias_correction=bias_correction,
-      betas=betas,
-      eps=eps,
-      weight_decay=weight_decay,
-      grad_averaging=grad_averaging,
-      max_grad_norm=max_grad_norm,
+    self.defaults = torch_defaults(
+      locals(), "lr bias_correction betas eps weight_decay grad_averaging max_grad_norm"
     )
     self.param_groups = param_groups(params, self.defaults)
     self.adam_w_mode = bool(adam_w_mode)

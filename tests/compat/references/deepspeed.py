@@ -34,37 +34,19 @@ import math
 
 import numpy as np
 
-from ._param_groups import all_params, param_groups
+from ._param_groups import all_params, param_groups, torch_defaults
 
 
 class FusedLamb:
   """deepspeed.ops.lamb.FusedLamb: `params` a dict path -> array or torch-style groups."""
 
-  def __init__(
-    self,
-    params,
-    lr=1e-3,
-    bias_correction=True,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    eps_inside_sqrt=False,
-    weight_decay=0.0,
-    max_grad_norm=0.0,
-    max_coeff=10.0,
-    min_coeff=0.01,
-    amsgrad=False,
-  ):
+  def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+               eps_inside_sqrt=False, weight_decay=0.0, max_grad_norm=0.0, max_coeff=10.0,
+               min_coeff=0.01, amsgrad=False):  # fmt: skip
     if amsgrad:
       raise RuntimeError("FusedLamb does not support the AMSGrad variant.")
-    self.defaults = dict(
-      lr=lr,
-      bias_correction=bias_correction,
-      betas=betas,
-      eps=eps,
-      weight_decay=weight_decay,
-      max_grad_norm=max_grad_norm,
-      max_coeff=max_coeff,
-      min_coeff=min_coeff,
+    self.defaults = torch_defaults(
+      locals(), "lr bias_correction betas eps weight_decay max_grad_norm max_coeff min_coeff"
     )
     self.param_groups = param_groups(params, self.defaults)
     self.eps_mode = 0 if eps_inside_sqrt else 1

@@ -59,20 +59,9 @@ class Lamb:
   Computes in float64; each variable's own dtype only rounds the betas of the bias corrections.
   """
 
-  def __init__(
-    self,
-    variables,
-    learning_rate=0.001,
-    beta_1=0.9,
-    beta_2=0.999,
-    epsilon=1e-7,
-    weight_decay=None,
-    clipnorm=None,
-    clipvalue=None,
-    global_clipnorm=None,
-    name=None,
-    **kwargs,
-  ):
+  def __init__(self, variables, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+               weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name=None,
+               **kwargs):  # fmt: skip
     if kwargs.pop("decay", None) is not None:
       warnings.warn("Argument `decay` is no longer supported and will be ignored.", stacklevel=2)
     unmodelled = _UNMODELLED & kwargs.keys()

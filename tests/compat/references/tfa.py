@@ -50,19 +50,9 @@ def _matched(path: str, regexes) -> bool:
 class LAMB:
   """tensorflow_addons.optimizers.LAMB on `variables`, a dict path -> array."""
 
-  def __init__(
-    self,
-    variables,
-    learning_rate=0.001,
-    beta_1=0.9,
-    beta_2=0.999,
-    epsilon=1e-6,
-    weight_decay=0.0,
-    exclude_from_weight_decay=None,
-    exclude_from_layer_adaptation=None,
-    name="LAMB",
-    **kwargs,
-  ):
+  def __init__(self, variables, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-6,
+               weight_decay=0.0, exclude_from_weight_decay=None,
+               exclude_from_layer_adaptation=None, name="LAMB", **kwargs):  # fmt: skip
     if "weight_decay_rate" in kwargs:
       warnings.warn(
         "weight_decay_rate has been renamed to weight_decay", DeprecationWarning, stacklevel=2

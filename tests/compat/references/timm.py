@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._param_groups import all_params, param_groups
+from ._param_groups import all_params, param_groups, torch_defaults
 
 
 def _validate_scalar(name, value):
@@ -43,38 +43,17 @@ def _validate_scalar(name, value):
 class Lamb:
   """timm.optim.Lamb: `params` a dict path -> array or a list of torch-style groups."""
 
-  def __init__(
-    self,
-    params,
-    lr=1e-3,
-    bias_correction=True,
-    betas=(0.9, 0.999),
-    eps=1e-6,
-    weight_decay=0.01,
-    grad_averaging=True,
-    max_grad_norm=1.0,
-    trust_clip=False,
-    always_adapt=False,
-    caution=False,
-    decoupled_decay=False,
-    corrected_weight_decay=False,
-  ):
+  def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+               weight_decay=0.01, grad_averaging=True, max_grad_norm=1.0, trust_clip=False,
+               always_adapt=False, caution=False, decoupled_decay=False,
+               corrected_weight_decay=False):  # fmt: skip
     _validate_scalar("learning rate", lr)
     _validate_scalar("epsilon", eps)
     _validate_scalar("weight_decay", weight_decay)
-    self.defaults = dict(
-      lr=lr,
-      bias_correction=bias_correction,
-      betas=betas,
-      eps=eps,
-      weight_decay=weight_decay,
-      grad_averaging=grad_averaging,
-      max_grad_norm=max_grad_norm,
-      trust_clip=trust_clip,
-      always_adapt=always_adapt,
-      caution=caution,
-      decoupled_decay=decoupled_decay,
-      corrected_weight_decay=corrected_weight_decay,
+    self.defaults = torch_defaults(
+      locals(),
+      "lr bias_correction betas eps weight_decay grad_averaging max_grad_norm trust_clip"
+      " always_adapt caution decoupled_decay corrected_weight_decay",
     )
     self.param_groups = param_groups(params, self.defaults)
     self.state = {}

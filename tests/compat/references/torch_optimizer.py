@@ -24,23 +24,14 @@ import math
 
 import numpy as np
 
-from ._param_groups import all_params, param_groups
+from ._param_groups import all_params, param_groups, torch_defaults
 
 
 class Lamb:
   """torch_optimizer.Lamb: `params` a dict path -> array or a list of torch-style groups."""
 
-  def __init__(
-    self,
-    params,
-    lr=1e-3,
-    betas=(0.9, 0.999),
-    eps=1e-6,
-    weight_decay=0,
-    clamp_value=10,
-    adam=False,
-    debias=False,
-  ):
+  def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0,
+               clamp_value=10, adam=False, debias=False):  # fmt: skip
     if lr <= 0.0:
       raise ValueError(f"Invalid learning rate: {lr}")
     if eps < 0.0:
@@ -53,7 +44,7 @@ class Lamb:
       raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if clamp_value < 0.0:
       raise ValueError(f"Invalid clamp value: {clamp_value}")
-    self.defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    self.defaults = torch_defaults(locals(), "lr betas eps weight_decay")
     self.clamp_value = clamp_value
     self.adam = adam
     self.debias = debias
