@@ -95,18 +95,14 @@ def make(
   *,
   learning_rate: Any,
   learning_rate_name: str,
-  extras: dict,
+  lamb_options: dict,
   grad_transform: Any = None,
   **config: Any,
 ):
-  """The transformation of one compat constructor: its `LambConfig` fields, then the extras.
-
-  `extras` are the keyword-only arguments every constructor shares (stacked_axes,
-  axis_name, implementation, skip_nonfinite, grad_scale, master_weights).
-  """
+  """The transformation of one compat constructor: its `LambConfig` fields, then lamb's options."""
   _check_args.check_non_negative(learning_rate_name, learning_rate, schedule=True)
-  _check_args.check_per_leaf("stacked_axes", extras["stacked_axes"], "int")
-  _check_args.check_axis_name("axis_name", extras["axis_name"])
+  _check_args.check_per_leaf("stacked_axes", lamb_options["stacked_axes"], "int")
+  _check_args.check_axis_name("axis_name", lamb_options["axis_name"])
   defaults = dict(
     eps_root=0.0,
     mask=None,
@@ -117,32 +113,67 @@ def make(
   )
   lamb_config = LambConfig(
     learning_rate=learning_rate,
-    stacked_axes=extras["stacked_axes"],
-    axis_name=extras["axis_name"],
+    stacked_axes=lamb_options["stacked_axes"],
+    axis_name=lamb_options["axis_name"],
     **{**defaults, **config},
   )
   return build(
     lamb_config,
-    implementation=extras["implementation"],
-    skip_nonfinite=extras["skip_nonfinite"],
-    grad_scale=extras["grad_scale"],
-    master_weights=extras["master_weights"],
+    implementation=lamb_options["implementation"],
+    skip_nonfinite=lamb_options["skip_nonfinite"],
+    grad_scale=lamb_options["grad_scale"],
+    master_weights=lamb_options["master_weights"],
     grad_transform=grad_transform,
   )
 
 
-NO_LEAF = False  # a trust_ratio_mask prefix that matches every leaf: no leaf adapts
+# The keyword arguments every constructor passes on to `lamb`, with lamb's defaults.
+LAMB_OPTIONS = dict(
+  stacked_axes=None,
+  axis_name=None,
+  implementation="auto",
+  skip_nonfinite=False,
+  grad_scale=None,
+  master_weights=False,
+)
 
 
-def extras(stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights):
+def lamb_options(constructor: str, given: dict) -> dict:
+  """`given` (a constructor's ``**lamb_options``) over lamb's defaults; another name is a TypeError."""
+  unknown = sorted(set(given) - LAMB_OPTIONS.keys())
+  if unknown:
+    raise TypeError(
+      f"{constructor}() got an unexpected keyword argument {unknown[0]!r} (besides its library's "
+      f"arguments it takes lamb's {', '.join(LAMB_OPTIONS)})"
+    )
+  return {**LAMB_OPTIONS, **given}
+
+
+def check_torch_style(shared: tuple, **flags: Any) -> dict:
+  """What apex, DeepSpeed, timm and torch_optimizer share: lr, betas, eps, weight decay, mask.
+
+  `shared` is (lr, betas, eps, weight_decay, weight_decay_mask). Checks them and each
+  flag (a bool); returns `make`'s keywords for them.
+  """
+  lr, betas, eps, weight_decay, mask = shared
+  b1, b2 = check_betas("betas", betas)
+  _check_args.check_non_negative("eps", eps)
+  _check_args.check_non_negative("weight_decay", weight_decay)
+  for name, flag in flags.items():
+    _check_args.check_bool(name, flag)
+  check_mask("weight_decay_mask", mask)
   return dict(
-    stacked_axes=stacked_axes,
-    axis_name=axis_name,
-    implementation=implementation,
-    skip_nonfinite=skip_nonfinite,
-    grad_scale=grad_scale,
-    master_weights=master_weights,
+    learning_rate=lr,
+    learning_rate_name="lr",
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    weight_decay=weight_decay,
+    mask=mask,
   )
+
+
+NO_LEAF = False  # a trust_ratio_mask prefix that matches every leaf: no leaf adapts
 
 
 def adapted_unless_undecayed(always: bool, weight_decay: float, weight_decay_mask: Any) -> Any:

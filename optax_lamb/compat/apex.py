@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
 
@@ -22,12 +21,7 @@ def apex_fused_lamb(
   *,
   weight_decay_mask: Any = None,
   set_grad_none: bool = True,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
+  **lamb_options: Any,
 ):
   r"""``apex.optimizers.FusedLAMB``, the optimizer of NVIDIA's BERT recipe.
 
@@ -64,8 +58,8 @@ def apex_fused_lamb(
     use_nvlamb: every leaf adapts, decayed or not.
     weight_decay_mask: torch's parameter groups (see the module docstring).
     set_grad_none: accepted and ignored (apex zeroes torch gradient buffers with it).
-    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
-      in :func:`optax_lamb.lamb`.
+    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
+      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -75,32 +69,20 @@ def apex_fused_lamb(
     raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
   if max_grad_norm is None:
     raise TypeError("max_grad_norm must be a number (apex's kernel needs one), got None")
-  b1, b2 = _common.check_betas("betas", betas)
-  _check_args.check_non_negative("eps", eps)
   weight_decay = _common.check_number("weight_decay", weight_decay)
-  _check_args.check_non_negative("weight_decay", weight_decay)
-  for name, flag in (
-    ("bias_correction", bias_correction),
-    ("adam_w_mode", adam_w_mode),
-    ("grad_averaging", grad_averaging),
-    ("use_nvlamb", use_nvlamb),
-  ):
-    _check_args.check_bool(name, flag)
-  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  torch_style = _common.check_torch_style(
+    (lr, betas, eps, weight_decay, weight_decay_mask),
+    bias_correction=bias_correction,
+    adam_w_mode=adam_w_mode,
+    grad_averaging=grad_averaging,
+    use_nvlamb=use_nvlamb,
+  )
   return _common.make(
-    learning_rate=lr,
-    learning_rate_name="lr",
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    weight_decay=weight_decay,
-    mask=weight_decay_mask,
+    **torch_style,
     weight_decay_placement="direction" if adam_w_mode else "gradient",
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
     trust_ratio_mask=_common.adapted_unless_undecayed(use_nvlamb, weight_decay, weight_decay_mask),
     max_grad_norm=_common.torch_clip(max_grad_norm, "apex"),
-    extras=_common.extras(
-      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
-    ),
+    lamb_options=_common.lamb_options("apex_fused_lamb", lamb_options),
   )

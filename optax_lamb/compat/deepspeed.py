@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
 DEEPSPEED_CLIP_EPS = 1e-6  # added to the gradient norm before it is compared with max_grad_norm
@@ -24,12 +23,7 @@ def deepspeed_fused_lamb(
   amsgrad: bool = False,
   *,
   weight_decay_mask: Any = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
+  **lamb_options: Any,
 ):
   r"""``deepspeed.ops.lamb.FusedLamb``.
 
@@ -68,19 +62,19 @@ def deepspeed_fused_lamb(
     min_coeff: lower clamp of the trust ratio.
     amsgrad: DeepSpeed refuses True (RuntimeError), and so does this.
     weight_decay_mask: torch's parameter groups (see the module docstring).
-    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
-      in :func:`optax_lamb.lamb`.
+    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
+      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
   """
   if amsgrad:
     raise RuntimeError("FusedLamb does not support the AMSGrad variant.")
-  b1, b2 = _common.check_betas("betas", betas)
-  _check_args.check_non_negative("eps", eps)
-  _check_args.check_bool("eps_inside_sqrt", eps_inside_sqrt)
-  _check_args.check_bool("bias_correction", bias_correction)
-  _check_args.check_non_negative("weight_decay", weight_decay)
+  torch_style = _common.check_torch_style(
+    (lr, betas, eps, weight_decay, weight_decay_mask),
+    eps_inside_sqrt=eps_inside_sqrt,
+    bias_correction=bias_correction,
+  )
   clip = _common.check_number("max_grad_norm", max_grad_norm)
   if math.isnan(clip):
     raise ValueError(f"max_grad_norm must be a number, got max_grad_norm={max_grad_norm!r}")
@@ -93,23 +87,14 @@ def deepspeed_fused_lamb(
   if not -math.inf < low < math.inf:
     raise ValueError(f"min_coeff must be a finite number, got min_coeff={min_coeff!r}")
   high = max(high, low)  # min_coeff > max_coeff: DeepSpeed clamps with max, then min: r = min_coeff
-  _common.check_mask("weight_decay_mask", weight_decay_mask)
   return _common.make(
-    learning_rate=lr,
-    learning_rate_name="lr",
-    b1=b1,
-    b2=b2,
-    eps=0.0 if eps_inside_sqrt else eps,
+    **{**torch_style, "eps": 0.0 if eps_inside_sqrt else eps},
     eps_root=eps if eps_inside_sqrt else 0.0,
-    weight_decay=weight_decay,
-    mask=weight_decay_mask,
     bias_correction=bias_correction,
     bias_correction_placement="step_size",
     min_trust_ratio=low if low > 0 else None,
     max_trust_ratio=None if high == math.inf else high,
     max_grad_norm=clip if clip > 0 else None,
     clip_norm_eps=DEEPSPEED_CLIP_EPS,
-    extras=_common.extras(
-      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
-    ),
+    lamb_options=_common.lamb_options("deepspeed_fused_lamb", lamb_options),
   )

@@ -19,12 +19,7 @@ def keras_lamb(
   clipnorm: float | None = None,
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
+  **lamb_options: Any,
 ):
   r"""``keras.optimizers.Lamb`` (Keras 3).
 
@@ -65,8 +60,8 @@ def keras_lamb(
     clipnorm: per-leaf clip threshold.
     clipvalue: elementwise clip threshold.
     global_clipnorm: global-norm clip threshold.
-    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
-      in :func:`optax_lamb.lamb`.
+    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
+      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -94,8 +89,8 @@ def keras_lamb(
     weight_decay_placement="params",
     bias_correction=True,
     max_grad_norm=clips["global_clipnorm"],
-    grad_transform=_common.keras_clipping(clips["clipnorm"], clips["clipvalue"], axis_name),
-    extras=_common.extras(
-      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
+    grad_transform=_common.keras_clipping(
+      clips["clipnorm"], clips["clipvalue"], lamb_options.get("axis_name")
     ),
+    lamb_options=_common.lamb_options("keras_lamb", lamb_options),
   )

@@ -30,12 +30,7 @@ def tfa_lamb(
   clipnorm: float | None = None,
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
+  **lamb_options: Any,
 ):
   r"""``tensorflow_addons.optimizers.LAMB`` (TF Addons 0.23.0, Keras 2.15's legacy optimizer).
 
@@ -78,8 +73,8 @@ def tfa_lamb(
     clipnorm: per-leaf clip threshold, >= 0 (not with global_clipnorm).
     clipvalue: elementwise clip threshold, >= 0.
     global_clipnorm: global-norm clip threshold, >= 0.
-    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
-      in :func:`optax_lamb.lamb`.
+    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
+      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -124,8 +119,6 @@ def tfa_lamb(
     bias_correction=True,
     trust_ratio_mask=_common.regex_mask(exclude_from_layer_adaptation or exclude_from_weight_decay),
     max_grad_norm=global_clipnorm,
-    grad_transform=_common.keras_clipping(clipnorm, clipvalue, axis_name),
-    extras=_common.extras(
-      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
-    ),
+    grad_transform=_common.keras_clipping(clipnorm, clipvalue, lamb_options.get("axis_name")),
+    lamb_options=_common.lamb_options("tfa_lamb", lamb_options),
   )

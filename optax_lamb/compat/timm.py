@@ -30,12 +30,7 @@ def timm_lamb(
   *,
   weight_decay_mask: Any = None,
   base_lr: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
+  **lamb_options: Any,
 ):
   r"""``timm.optim.Lamb``.
 
@@ -80,8 +75,8 @@ def timm_lamb(
     corrected_weight_decay: s = eta_t^2 / eta_0 instead of eta_t.
     weight_decay_mask: torch's parameter groups (see the module docstring).
     base_lr: eta_0 for ``corrected_weight_decay`` with a schedule as ``lr``.
-    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
-      in :func:`optax_lamb.lamb`.
+    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
+      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -89,21 +84,17 @@ def timm_lamb(
   _timm_validate("learning rate", lr, "lr")
   _timm_validate("epsilon", eps, "eps")
   _timm_validate("weight_decay", weight_decay, "weight_decay")
-  b1, b2 = _common.check_betas("betas", betas)
-  _check_args.check_non_negative("eps", eps)
   weight_decay = _common.check_number("weight_decay", weight_decay)
-  _check_args.check_non_negative("weight_decay", weight_decay)
-  for name, flag in (
-    ("bias_correction", bias_correction),
-    ("grad_averaging", grad_averaging),
-    ("trust_clip", trust_clip),
-    ("always_adapt", always_adapt),
-    ("caution", caution),
-    ("decoupled_decay", decoupled_decay),
-    ("corrected_weight_decay", corrected_weight_decay),
-  ):
-    _check_args.check_bool(name, flag)
-  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  torch_style = _common.check_torch_style(
+    (lr, betas, eps, weight_decay, weight_decay_mask),
+    bias_correction=bias_correction,
+    grad_averaging=grad_averaging,
+    trust_clip=trust_clip,
+    always_adapt=always_adapt,
+    caution=caution,
+    decoupled_decay=decoupled_decay,
+    corrected_weight_decay=corrected_weight_decay,
+  )
   clip = None if max_grad_norm is None else _common.torch_clip(max_grad_norm, "timm")
   decoupled = decoupled_decay and weight_decay != 0
   corrected = decoupled and corrected_weight_decay
@@ -119,13 +110,7 @@ def timm_lamb(
       )
     base_lr = lr
   return _common.make(
-    learning_rate=lr,
-    learning_rate_name="lr",
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    weight_decay=weight_decay,
-    mask=weight_decay_mask,
+    **torch_style,
     weight_decay_placement="params" if decoupled else "direction",
     decay_base_lr=base_lr if corrected else None,
     bias_correction=bias_correction,
@@ -136,7 +121,5 @@ def timm_lamb(
     max_trust_ratio=1.0 if trust_clip else None,
     max_grad_norm=clip,
     caution=caution,
-    extras=_common.extras(
-      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
-    ),
+    lamb_options=_common.lamb_options("timm_lamb", lamb_options),
   )

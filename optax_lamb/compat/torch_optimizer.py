@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
 
@@ -19,12 +18,7 @@ def torch_optimizer_lamb(
   debias: bool = False,
   *,
   weight_decay_mask: Any = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
+  **lamb_options: Any,
 ):
   r"""``torch_optimizer.Lamb`` (pytorch-optimizer).
 
@@ -49,8 +43,8 @@ def torch_optimizer_lamb(
     adam: no trust ratio (r = 1 for every leaf).
     debias: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
     weight_decay_mask: torch's parameter groups (see the module docstring).
-    stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights: as
-      in :func:`optax_lamb.lamb`.
+    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
+      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -68,25 +62,14 @@ def torch_optimizer_lamb(
   clamp = _common.check_number("clamp_value", clamp_value)
   if not clamp >= 0.0:
     raise ValueError(f"Invalid clamp value: {clamp_value} (clamp_value={clamp_value!r})")
-  b1, b2 = _common.check_betas("betas", betas)
-  _check_args.check_non_negative("eps", eps)
-  _check_args.check_non_negative("weight_decay", weight_decay)
-  _check_args.check_bool("adam", adam)
-  _check_args.check_bool("debias", debias)
-  _common.check_mask("weight_decay_mask", weight_decay_mask)
+  torch_style = _common.check_torch_style(
+    (lr, betas, eps, weight_decay, weight_decay_mask), adam=adam, debias=debias
+  )
   return _common.make(
-    learning_rate=lr,
-    learning_rate_name="lr",
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    weight_decay=weight_decay,
-    mask=weight_decay_mask,
+    **torch_style,
     bias_correction=debias,
     bias_correction_placement="step_size",
     trust_ratio_mask=_common.NO_LEAF if adam else None,
     max_param_norm=None if clamp == math.inf else clamp,
-    extras=_common.extras(
-      stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale, master_weights
-    ),
+    lamb_options=_common.lamb_options("torch_optimizer_lamb", lamb_options),
   )
