@@ -12,7 +12,7 @@ from optax_lamb import _check_args, _leaf, _tree
 def scale_by_adam(
   b1: float = 0.9,
   b2: float = 0.999,
-  eps: float = 1e-6,
+  eps: float = 1e-8,
   eps_root: float = 0.0,
   *,
   bias_correction: bool = True,
@@ -56,6 +56,7 @@ def scale_by_adam(
   _check_args.check_in_unit_interval("b2", b2)
   _check_args.check_non_negative("eps", eps)
   _check_args.check_non_negative("eps_root", eps_root)
+  _check_args.check_some_eps("eps", eps, "eps_root", eps_root)
   _check_args.check_bool("bias_correction", bias_correction)
   _check_args.check_bool("grad_averaging", grad_averaging)
   mu_dtype = _check_args.check_float_dtype("mu_dtype", mu_dtype)

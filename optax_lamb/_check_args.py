@@ -56,6 +56,24 @@ def check_positive(name: str, value: Any, *, schedule: bool = False) -> None:
   _check_number(name, value, lambda x: 0.0 < x < math.inf, "a finite number > 0", schedule)
 
 
+def check_count(name: str, value: Any) -> None:
+  """An integer >= 0 (Python or NumPy; not a bool)."""
+  if isinstance(value, _BOOLS) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an integer >= 0, got {name}={value!r}")
+  if value < 0:
+    raise ValueError(f"{name} must be an integer >= 0, got {name}={value!r}")
+
+
+def check_some_eps(eps_name: str, eps: Any, root_name: str, eps_root: Any) -> None:
+  """Not both 0: a zero gradient element would then make 0 / 0 in the Adam direction (NaN)."""
+  given = [v for v in (eps, eps_root) if isinstance(v, numbers.Real) and not isinstance(v, _BOOLS)]
+  if len(given) == 2 and eps == 0 and eps_root == 0:
+    raise ValueError(
+      f"{eps_name} must be > 0 when {root_name} is 0 (else an element whose gradient is 0 "
+      f"gets 0 / 0 = NaN), got {eps_name}={eps!r}, {root_name}={eps_root!r}"
+    )
+
+
 def check_ratio_bounds(min_name: str, min_value: Any, max_name: str, max_value: Any) -> None:
   """Optional (None) clamps, each finite and >= 0, the lower one <= the upper one."""
   for name, value in ((min_name, min_value), (max_name, max_value)):

@@ -46,6 +46,7 @@ import warnings
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from optax_lamb import _plan
 from optax_lamb.backends.xla import XlaBackend
@@ -154,8 +155,37 @@ def step(config, implementation, grads: Any, state: tuple, params: Any, *, apply
   """
   plan = _plan.plan_step(config, grads, state, params)
   leaves = _plan.leaf_arrays(plan, grads, params)
-  result = choose(implementation, plan, leaves).step(plan, leaves, apply=apply)
+  backend = choose(implementation, plan, leaves)
+  if backend is XLA:
+    result = XLA.step(plan, leaves, apply=apply)
+  else:
+    result = _with_xla_derivatives(backend, plan, leaves, apply)
   return jax.tree.unflatten(plan.treedef, result.out), _plan.next_state(plan, result)
+
+
+def _with_xla_derivatives(backend: Backend, plan, leaves: list, apply: bool) -> _plan.StepResult:
+  """`backend`'s step, whose derivatives (jvp, vjp, grad) are the XLA step's.
+
+  A kernel has no differentiation rule of its own (a ``pallas_call`` with aliased
+  buffers cannot even be linearised); the XLA step computes the same function,
+  so its JVP serves. Without differentiation only the backend's step runs.
+  """
+  flat, treedef = jax.tree.flatten((plan, leaves))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in flat]
+
+  def step_of(chosen: Backend):
+    def run(*arrays):
+      it = iter(arrays)
+      plan, leaves = treedef.unflatten(
+        [next(it) if a else x for x, a in zip(flat, is_array, strict=True)]
+      )
+      return chosen.step(plan, leaves, apply=apply)
+
+    return run
+
+  stepped = jax.custom_jvp(step_of(backend))
+  stepped.defjvp(lambda primals, tangents: jax.jvp(step_of(XLA), primals, tangents))
+  return stepped(*(x for x, a in zip(flat, is_array, strict=True) if a))
 
 
 def _library_dirs() -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -9,7 +10,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _dispatch, _leaf, _loss_scale, _norms, _prologue, _skip, _tree
+from optax_lamb import (
+  _check_args,
+  _dispatch,
+  _leaf,
+  _loss_scale,
+  _norms,
+  _prologue,
+  _schedule,
+  _skip,
+  _tree,
+)
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_stage
 from optax_lamb._decay import add_decayed_weights
@@ -254,6 +265,12 @@ def build(
   _check_args.check_bool("skip_nonfinite", skip_nonfinite)
   _check_args.check_bool("master_weights", master_weights)
   _loss_scale.check_grad_scale(grad_scale)
+  config = dataclasses.replace(
+    config,
+    learning_rate=_schedule.scalar_valued(config.learning_rate, "learning_rate"),
+    weight_decay=_schedule.scalar_valued(config.weight_decay, "weight_decay"),
+  )
+  grad_scale = _schedule.scalar_valued(grad_scale, "grad_scale")
   stages = reference_chain(config)
 
   if implementation == "reference":

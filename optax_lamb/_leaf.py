@@ -102,7 +102,7 @@ def clip_factor(global_sq_norm, max_norm, norm_eps: float = 0.0):
   `max_norm` = 0 zeroes every gradient, as apex and timm do (all-zero gradients stay zero).
   DeepSpeed compares the norm plus 1e-6 (`norm_eps`) with `max_norm` and divides by that.
   """
-  norm = jnp.sqrt(global_sq_norm)
+  norm = safe_sqrt(global_sq_norm)
   if norm_eps:
     norm = norm + norm_eps
   return jnp.where(norm <= max_norm, jnp.ones_like(norm), max_norm / norm)
@@ -195,23 +195,37 @@ def ratio_params(p, h: Hyperparams, *, decay: bool):
   return p
 
 
-def trust_ratio(param_sq_norm, update_sq_norm, h: Hyperparams):
-  """r = gamma clip(max(||p||, n) / (max(||u||, n) + eps_r), r_min, r_max), elementwise, float32.
+def safe_sqrt(sq):
+  """sqrt(sq), whose derivative stays finite where sq is 0 (the value there is 0).
 
-  Takes the squared norms (already summed over the mapped axes). When either
-  norm is zero the ratio is exactly 1, so zero-initialised leaves (biases,
-  LayerNorm offsets) still move; the clamp and the coefficient then do not apply.
+  The zero-norm branches below take another value there; with a plain sqrt, the
+  untaken branch's infinite derivative would still make gradients through the
+  step NaN (jax.grad of a loss through a step on a zero-initialised leaf).
   """
-  param_norm = jnp.maximum(jnp.sqrt(param_sq_norm), h.min_norm)
+  positive = sq > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq))), 0)
+
+
+def trust_ratio(param_sq_norm, update_sq_norm, h: Hyperparams):
+  """r = gamma clip(max(||p||, n) / (max(||u||, n) + eps_r), r_min, r_max), elementwise.
+
+  Takes the squared norms (already summed over the mapped axes) and computes in
+  their dtype (float32, or float64 for float64 params). When either norm is zero
+  the ratio is exactly 1, so zero-initialised leaves (biases, LayerNorm offsets)
+  still move; the clamp and the coefficient then do not apply. Its derivatives are
+  finite there too.
+  """
+  param_norm = jnp.maximum(safe_sqrt(param_sq_norm), h.min_norm)
   if h.max_param_norm is not None:  # torch_optimizer's clamp_value (0: every ratio is 1)
     param_norm = jnp.minimum(param_norm, h.max_param_norm)
-  update_norm = jnp.maximum(jnp.sqrt(update_sq_norm), h.min_norm)
-  ratio = param_norm / (update_norm + h.ratio_eps)
+  update_norm = jnp.maximum(safe_sqrt(update_sq_norm), h.min_norm)
+  zero_norm = jnp.logical_or(param_norm == 0, update_norm == 0)
+  ratio = param_norm / jnp.where(zero_norm, 1, update_norm + h.ratio_eps)
   if h.min_ratio is not None or h.max_ratio is not None:
     ratio = jnp.clip(ratio, h.min_ratio, h.max_ratio)
   ratio = h.trust_coefficient * ratio
-  zero_norm = jnp.logical_or(param_norm == 0, update_norm == 0)
-  return jnp.where(zero_norm, jnp.ones_like(ratio), ratio).astype(jnp.float32)
+  dtype = compute_dtype(jnp.result_type(param_sq_norm, update_sq_norm))
+  return jnp.where(zero_norm, jnp.ones_like(ratio), ratio).astype(dtype)
 
 
 def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted: Sequence[bool]):

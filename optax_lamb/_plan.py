@@ -238,5 +238,5 @@ def next_state(plan: StepPlan, result: StepResult) -> tuple:
   """lamb's state after the step, from the backend's new moments and ratio vector."""
   unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
   adam = optax.ScaleByAdamState(count=plan.count, mu=unflatten(result.mu), nu=unflatten(result.nu))
-  ratio_state = ScaleByTrustRatioState(ratios=result.ratios, layout=plan.layout)
+  ratio_state = ScaleByTrustRatioState.after_step(result.ratios, plan.layout)
   return plan.parts._replace(adam=adam, trust_ratio=ratio_state).as_state()

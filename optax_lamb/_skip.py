@@ -1,4 +1,4 @@
-"""Skipping steps whose gradients hold a NaN or an Inf."""
+"""Skipping steps whose gradients, or results, hold a NaN or an Inf."""
 
 from __future__ import annotations
 
@@ -43,31 +43,40 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
 
 
 def skip_nonfinite(
-  inner: optax.GradientTransformation, *, axis_name: Any = None
+  inner: optax.GradientTransformation,
+  *,
+  axis_name: Any = None,
+  max_consecutive_errors: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Skip every step whose gradients hold a NaN or an Inf.
+  """Skip every step whose gradients hold a NaN or an Inf, or whose results would.
 
-  On such a step the updates are zero and the wrapped state is returned as it
-  was (moments, step count, trust ratios, master weights), so the parameters do
-  not change; :class:`SkipNonFiniteState` counts the skipped steps, in total and
-  in a row (read them with :func:`skip_counts`). The branch is a
-  :func:`jax.lax.cond`, so it jits, and ``optax.MultiSteps`` around it skips an
-  accumulated step that one bad micro-batch poisoned.
-
-  Unlike :func:`optax.apply_if_finite` there is no limit after which NaNs are
-  let through: watch ``skip_counts(state).consecutive`` and stop the run (or
-  lower the loss scale) yourself.
+  A step is skipped when its gradients are not finite, or when taking it would
+  leave the updates or the wrapped state (moments, master weights) non-finite:
+  a finite gradient of 1e20, say, whose square overflows the second moment. On
+  such a step the updates are zero and the wrapped state is returned as it was
+  (moments, step count, trust ratios, master weights), so the parameters do not
+  change; :class:`SkipNonFiniteState` counts the skipped steps, in total and in a
+  row (read them with :func:`skip_counts`). The choice is a :func:`jax.lax.cond`,
+  so it jits, and ``optax.MultiSteps`` around it skips an accumulated step that
+  one bad micro-batch poisoned. Checking the results reads the new state once
+  more: a cost only when this wrapper is on.
 
   Args:
     inner: the transformation to protect.
     axis_name: mapped axis name(s) the gradients are sharded over (``shard_map``),
       so that every device agrees on skipping.
+    max_consecutive_errors: as in :func:`optax.apply_if_finite`: once more than
+      this many steps in a row were non-finite, such steps are applied (NaNs and
+      Infs let through) until a finite one resets the count; None (the default):
+      never, watch ``skip_counts(state).consecutive`` and stop the run yourself.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
   """
   _check_args.check_transformation("inner", inner)
   _check_args.check_axis_name("axis_name", axis_name)
+  if max_consecutive_errors is not None:
+    _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -85,24 +94,23 @@ def skip_nonfinite(
         "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
         + _check_state.RESTORE_HINT
       )
-    finite = all_finite(updates, axis_name)
-    arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
-    others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
-
-    def apply(updates, inner_state, params, arrays):
-      return inner.update(updates, inner_state, params, **arrays, **others)
-
-    def skip(updates, inner_state, params, arrays):
-      out, _ = jax.eval_shape(apply, updates, inner_state, params, arrays)
-      return optax.tree.zeros_like(out), inner_state
-
-    new_updates, inner_state = jax.lax.cond(
-      finite, apply, skip, updates, state.inner_state, params, arrays
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    finite = all_finite((updates, new_updates, new_inner), axis_name)
+    consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
+    take = finite
+    if max_consecutive_errors is not None:
+      take = jnp.logical_or(finite, consecutive > max_consecutive_errors)
+    new_updates, new_inner = jax.lax.cond(
+      take,
+      lambda taken, kept: taken,
+      lambda taken, kept: (optax.tree.zeros_like(taken[0]), kept),
+      (new_updates, new_inner),
+      state.inner_state,
     )
     return new_updates, SkipNonFiniteState(
       total=jnp.where(finite, state.total, optax.safe_increment(state.total)),
-      consecutive=jnp.where(finite, 0, optax.safe_increment(state.consecutive)),
-      inner_state=inner_state,
+      consecutive=consecutive,
+      inner_state=new_inner,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

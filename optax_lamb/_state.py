@@ -56,10 +56,15 @@ class RatioLayout:
     return self.offsets[-1]
 
   def join(self, ratios: list[jax.Array]) -> jax.Array:
-    """One replicated float32 vector from the per-leaf ratios (in leaf order)."""
+    """One replicated vector from the per-leaf ratios (in leaf order), in float32 or wider.
+
+    float64 pieces (float64 params) stay float64: the step uses the vector before
+    the state stores it in float32 (`ScaleByTrustRatioState.after_step`).
+    """
     if not ratios:  # a tree emptied by optax.masked
       return jnp.ones((0,), jnp.float32)
-    return jnp.concatenate([jnp.reshape(_replicated(r), (-1,)).astype(jnp.float32) for r in ratios])
+    dtype = jnp.promote_types(jnp.result_type(*ratios), jnp.float32)
+    return jnp.concatenate([jnp.reshape(_replicated(r), (-1,)).astype(dtype) for r in ratios])
 
   def pieces(self, vector: jax.Array) -> list[jax.Array]:
     """The per-leaf ratios (in leaf order, stacked shapes); leading batch axes (pmap, vmap) kept."""
@@ -118,6 +123,11 @@ class ScaleByTrustRatioState(NamedTuple):
 
   ratios: jax.Array
   layout: RatioLayout
+
+  @classmethod
+  def after_step(cls, ratios: jax.Array, layout: RatioLayout) -> ScaleByTrustRatioState:
+    """The state holding the ratios a step applied, stored in float32 (as `init` makes them)."""
+    return cls(ratios=ratios.astype(jnp.float32), layout=layout)
 
 
 class LambStateParts(NamedTuple):

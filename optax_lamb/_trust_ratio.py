@@ -124,7 +124,7 @@ def trust_ratio_stage(
       _leaf.scale_by_ratio(u, r) if a else u
       for u, r, a in zip(us, layout.pieces(ratios), adapts, strict=True)
     ]
-    return treedef.unflatten(scaled), ScaleByTrustRatioState(ratios=ratios, layout=layout)
+    return treedef.unflatten(scaled), ScaleByTrustRatioState.after_step(ratios, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -61,6 +61,8 @@ CASES = [
   case(lamb, ValueError, eps_root=NAN),
   case(lamb, ValueError, eps_root=INF),
   case(lamb, ValueError, eps_root=-1.0),
+  case(lamb, ValueError, "eps=0.0, eps_root=0.0", eps=0.0, eps_root=0.0),
+  case(lamb, ValueError, "eps=0, eps_root=0.0", eps=0),
   case(lamb, ValueError, weight_decay=NAN),
   case(lamb, ValueError, weight_decay=INF),
   case(lamb, ValueError, weight_decay=-0.01),
@@ -124,6 +126,7 @@ CASES = [
   case(optax_lamb.scale_by_adam, ValueError, eps=NAN),
   case(optax_lamb.scale_by_adam, ValueError, eps=-1.0),
   case(optax_lamb.scale_by_adam, ValueError, eps_root=INF),
+  case(optax_lamb.scale_by_adam, ValueError, "eps=0.0, eps_root=0", eps=0.0, eps_root=0),
   case(optax_lamb.scale_by_adam, TypeError, bias_correction="no"),
   case(optax_lamb.scale_by_adam, TypeError, mu_dtype=jnp.int32),
   case(optax_lamb.scale_by_adam, TypeError, nu_dtype="uint8"),
@@ -167,6 +170,14 @@ CASES = [
   case(functools.partial(optax_lamb.with_master_weights, optax.sgd(0.1)), TypeError, dtype=None),
   case(optax_lamb.skip_nonfinite, TypeError, inner="sgd"),
   case(functools.partial(optax_lamb.skip_nonfinite, optax.sgd(0.1)), TypeError, axis_name=3),
+  *(
+    case(functools.partial(optax_lamb.skip_nonfinite, optax.sgd(0.1)), error, **kw)
+    for error, kw in [
+      (ValueError, dict(max_consecutive_errors=-1)),
+      (TypeError, dict(max_consecutive_errors=1.5)),
+      (TypeError, dict(max_consecutive_errors=True)),
+    ]
+  ),
   case(
     functools.partial(optax_lamb.skip_nonfinite, optax.sgd(0.1)),
     TypeError,
@@ -193,7 +204,7 @@ def params_and_grads():
   "kwargs",
   [
     dict(learning_rate=0),  # ints for float arguments
-    dict(b1=0, b2=0, eps=0, eps_root=0, weight_decay=0, min_trust_ratio=0, max_trust_ratio=10),
+    dict(b1=0, b2=0, eps=0, eps_root=1, weight_decay=0, min_trust_ratio=0, max_trust_ratio=10),
     dict(max_grad_norm=1, grad_scale=2),
     dict(learning_rate=np.float32(1e-3), weight_decay=np.float64(0.1), b1=np.float16(0.5)),
     dict(learning_rate=np.asarray(1e-3), weight_decay=jnp.asarray(0.1), grad_scale=jnp.asarray(2)),

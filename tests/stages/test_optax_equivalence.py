@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +65,7 @@ def test_lamb_equals_optax_lamb(kwargs, rng):
 def test_adam_state_interchanges_with_optax(rng):
   params = as_jax(random_tree(rng))
   grads = [as_jax(random_tree(rng)) for _ in range(4)]
-  ours, theirs = optax_lamb.scale_by_adam(), optax.scale_by_adam(eps=1e-6)
+  ours, theirs = optax_lamb.scale_by_adam(), optax.scale_by_adam()
   _, state, _ = run(theirs, params, grads[:2], apply=False)
   assert isinstance(state, optax.ScaleByAdamState)
   # Continue from optax's state with ours, and from ours with optax's: same updates.
@@ -133,3 +135,34 @@ def test_lamb_on_the_option_tree_equals_optax_lamb():
   ours, _, _ = run(optax_lamb.lamb(LR, weight_decay=0.01), params, grads)
   theirs, _, _ = run(optax.lamb(LR, weight_decay=0.01), params, grads)
   assert_trees_close(ours, theirs)
+
+
+# Every public stage with an optax twin (docs/api.md's table), and the arguments to run it on
+# defaults (those optax requires).
+_TWINS = {
+  "lamb": dict(learning_rate=1e-2),
+  "scale_by_adam": {},
+  "add_decayed_weights": {},
+  "scale_by_trust_ratio": {},
+  "clip_by_global_norm": dict(max_norm=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(_TWINS))
+def test_defaults_are_the_optax_twins(name):
+  ours = inspect.signature(getattr(optax_lamb, name)).parameters
+  theirs = inspect.signature(getattr(optax, name)).parameters
+  shared = [p for p in theirs if p in ours]
+  assert shared, name
+  assert {p: ours[p].default for p in shared} == {p: theirs[p].default for p in shared}
+
+
+@pytest.mark.parametrize("name", list(_TWINS))
+def test_defaults_compute_what_the_optax_twin_computes(name, rng):
+  """At gradients near 1e-4 (where eps matters), params 1, so every stage acts."""
+  params = as_jax(jax.tree.map(lambda x: 1.0 + 0.1 * x, random_tree(rng)))
+  grads_list = [as_jax(jax.tree.map(lambda x: 1e-4 * x, random_tree(rng))) for _ in range(3)]
+  kwargs = _TWINS[name]
+  _, _, ours = run(getattr(optax_lamb, name)(**kwargs), params, grads_list, apply=False)
+  _, _, theirs = run(getattr(optax, name)(**kwargs), params, grads_list, apply=False)
+  assert_trees_close(ours, theirs, rtol=FEW_ROUNDINGS)

@@ -344,3 +344,41 @@ def test_sharded_leaves_skip_together(rng):
   u, skipped = step(bad, params)
   np.testing.assert_array_equal(np.asarray(u["w"]), 0)
   np.testing.assert_array_equal(np.asarray(skipped), 1)  # every device counted the skip
+
+
+@pytest.mark.parametrize("cap", [0, 2])
+def test_max_consecutive_errors_as_optax_apply_if_finite(cap, rng):
+  """After more than `cap` non-finite steps in a row they are applied, until a finite one."""
+  params = make_params(rng)
+  bad = lambda: poison(make_grads(rng), rng, np.nan)  # noqa: E731
+  grads_seq = [make_grads(rng), bad(), bad(), bad(), bad(), make_grads(rng), bad(), make_grads(rng)]
+  ours_tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), max_consecutive_errors=cap)
+  theirs_tx = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=cap)
+  ours_state, theirs_state = ours_tx.init(params), theirs_tx.init(params)
+  ours_params, theirs_params = params, params
+  for grads in grads_seq:
+    ours_updates, ours_state = jax.jit(ours_tx.update)(grads, ours_state, ours_params)
+    theirs_updates, theirs_state = jax.jit(theirs_tx.update)(grads, theirs_state, theirs_params)
+    ours_params = optax.apply_updates(ours_params, ours_updates)
+    theirs_params = optax.apply_updates(theirs_params, theirs_updates)
+    assert_trees_equal(ours_params, theirs_params)  # NaN where both let a bad step through
+    counts = optax_lamb.skip_counts(ours_state)
+    assert int(counts.consecutive) == int(theirs_state.notfinite_count)
+    assert int(counts.total) == int(theirs_state.total_notfinite)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
+def test_a_finite_gradient_that_overflows_the_moments_is_skipped(implementation, rng):
+  """g = 1e20 without clipping: g^2 overflows nu to inf, which would zero that element's
+  updates for good; the step is skipped (and counted) instead."""
+  from helpers.implementations import lamb_for
+
+  params = make_params(rng)
+  huge = {**make_grads(rng), "w": jnp.full(SHAPES["w"], 1e20, jnp.float32)}
+  tx = lamb_for(implementation)(1e-2, skip_nonfinite=True)
+  state = tx.init(params)
+  updates, new_state = jax.jit(tx.update)(huge, state, params)
+  assert_trees_equal(updates, jax.tree.map(jnp.zeros_like, params))
+  assert tuple(int(c) for c in optax_lamb.skip_counts(new_state)) == (1, 1)
+  inner = lambda s: s.inner_state  # noqa: E731
+  assert_trees_equal(inner(new_state), inner(state))
