@@ -29,7 +29,8 @@ def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
 
 
 def _dtype(leaf: Any) -> np.dtype:
-  return jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else np.dtype(leaf.dtype)
+  """The leaf's dtype; NumPy's for a Python value (a str is <U.., an object is object)."""
+  return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
 def check_float_leaves(tree: Any, tree_name: str, who: str) -> None:

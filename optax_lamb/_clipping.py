@@ -44,8 +44,8 @@ def clip_stage(
   def update_fn(updates, state, params=None):
     del params
     names = _tree.resolve_axis_names(axis_name, updates)
-    sq_norm = _norms.global_sq_norm(jax.tree.leaves(updates), names)
-    factor = _leaf.clip_factor(sq_norm, max_norm, norm_eps)
+    norm = _norms.global_norm(jax.tree.leaves(updates), names)
+    factor = _leaf.clip_factor(norm, max_norm, norm_eps)
     updates = jax.tree.map(lambda g: _leaf.clip(g, factor), updates)
     return updates, state
 

@@ -31,9 +31,9 @@ The variants other libraries compute (``optax_lamb.compat``) are fields of
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -96,13 +96,13 @@ def bias_corrections(count, b1, b2, enabled: bool = True):
   return 1 - b1**count, 1 - b2**count
 
 
-def clip_factor(global_sq_norm, max_norm, norm_eps: float = 0.0):
+def clip_factor(global_norm, max_norm, norm_eps: float = 0.0):
   """Scale that brings the global norm (plus `norm_eps`) down to `max_norm` (1 when not above).
 
   `max_norm` = 0 zeroes every gradient, as apex and timm do (all-zero gradients stay zero).
   DeepSpeed compares the norm plus 1e-6 (`norm_eps`) with `max_norm` and divides by that.
   """
-  norm = safe_sqrt(global_sq_norm)
+  norm = global_norm
   if norm_eps:
     norm = norm + norm_eps
   return jnp.where(norm <= max_norm, jnp.ones_like(norm), max_norm / norm)
@@ -195,61 +195,69 @@ def ratio_params(p, h: Hyperparams, *, decay: bool):
   return p
 
 
-def safe_sqrt(sq):
-  """sqrt(sq), whose derivative stays finite where sq is 0 (the value there is 0).
-
-  The zero-norm branches below take another value there; with a plain sqrt, the
-  untaken branch's infinite derivative would still make gradients through the
-  step NaN (jax.grad of a loss through a step on a zero-initialised leaf).
-  """
-  positive = sq > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq))), 0)
-
-
-def trust_ratio(param_sq_norm, update_sq_norm, h: Hyperparams):
+def trust_ratio(param_norm, update_norm, h: Hyperparams):
   """r = gamma clip(max(||p||, n) / (max(||u||, n) + eps_r), r_min, r_max), elementwise.
 
-  Takes the squared norms (already summed over the mapped axes) and computes in
+  Takes the norms (of the squares summed over the mapped axes) and computes in
   their dtype (float32, or float64 for float64 params). When either norm is zero
   the ratio is exactly 1, so zero-initialised leaves (biases, LayerNorm offsets)
   still move; the clamp and the coefficient then do not apply. Its derivatives are
   finite there too.
   """
-  param_norm = jnp.maximum(safe_sqrt(param_sq_norm), h.min_norm)
+  param_norm = jnp.maximum(param_norm, h.min_norm)
   if h.max_param_norm is not None:  # torch_optimizer's clamp_value (0: every ratio is 1)
     param_norm = jnp.minimum(param_norm, h.max_param_norm)
-  update_norm = jnp.maximum(safe_sqrt(update_sq_norm), h.min_norm)
+  update_norm = jnp.maximum(update_norm, h.min_norm)
   zero_norm = jnp.logical_or(param_norm == 0, update_norm == 0)
   ratio = param_norm / jnp.where(zero_norm, 1, update_norm + h.ratio_eps)
   if h.min_ratio is not None or h.max_ratio is not None:
     ratio = jnp.clip(ratio, h.min_ratio, h.max_ratio)
   ratio = h.trust_coefficient * ratio
-  dtype = compute_dtype(jnp.result_type(param_sq_norm, update_sq_norm))
+  dtype = compute_dtype(jnp.result_type(param_norm, update_norm))
   return jnp.where(zero_norm, jnp.ones_like(ratio), ratio).astype(dtype)
 
 
-def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted: Sequence[bool]):
+def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, exact_norms):
   """The ratio vector from the squared-norm vectors (one slot per leaf or stacked slice).
 
   The squares must already be summed over each slot's mapped axes; slots of
-  leaves without layer adaptation get ratio 1.
+  leaves without layer adaptation get ratio 1. Where an adapted slot's sum may
+  have overflowed or underflowed (`_norms.needs_scaling`), the norms of every slot
+  come from `exact_norms()` (a pair of vectors, computed scaled) instead.
   """
-  ratio = trust_ratio(param_sq_norms, update_sq_norms, h)
-  return jnp.where(np.asarray(adapted, bool), ratio, jnp.ones_like(ratio))
+  adapted = np.asarray(adapted, bool)
+  suspect = jnp.logical_or(
+    _norms.needs_scaling(param_sq_norms), _norms.needs_scaling(update_sq_norms)
+  )
+  plain = (_norms.safe_sqrt(param_sq_norms), _norms.safe_sqrt(update_sq_norms))
+
+  def exact():  # typed like `plain` (inside shard_map: varying over the same mesh axes)
+    return tuple(jnp.where(True, e, p) for e, p in zip(exact_norms(), plain, strict=True))
+
+  norms = jax.lax.cond(jnp.any(jnp.logical_and(suspect, adapted)), exact, lambda: plain)
+  ratio = trust_ratio(*norms, h)
+  return jnp.where(adapted, ratio, jnp.ones_like(ratio))
 
 
 def trust_ratios_of_leaves(
-  param_sq_norms: list, update_sq_norms: list, h: Hyperparams, names: list, layout, adapted: list
-):
+  param_sq_norms: list, update_sq_norms: list, h: Hyperparams, names: list, layout, adapted: list,
+  exact_norms,
+):  # fmt: skip
   """The ratio vector from per-leaf squared norms (stacked shapes) and per-leaf axis names.
 
   One psum per distinct axis name for both norms, before the leaves are joined
   into the slot vectors (so replicated leaves' ratios stay replicated).
+  `exact_norms()` gives the per-leaf norms computed scaled (see `trust_ratios`).
   """
   n = len(param_sq_norms)
   summed = _norms.psum_by_name([*param_sq_norms, *update_sq_norms], [*names, *names])
   p_sq, u_sq = layout.join(summed[:n]), layout.join(summed[n:])
-  return trust_ratios(p_sq, u_sq, h, layout.per_slot(adapted))
+
+  def exact_slot_norms():
+    p_norms, u_norms = exact_norms()
+    return layout.join(p_norms), layout.join(u_norms)
+
+  return trust_ratios(p_sq, u_sq, h, layout.per_slot(adapted), exact_slot_norms)
 
 
 def broadcast_ratio(ratio, leaf):

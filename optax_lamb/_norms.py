@@ -1,5 +1,11 @@
 """Squared norms in float32 (at least), and their sums over the mapped axes a leaf is sharded on.
 
+A float32 sum of squares overflows for elements near 1e19 and underflows (to 0,
+or a denormal) for elements near 1e-19. The fast paths sum plain squares; where
+a sum comes out infinite or below `SMALL_SQUARED_NORM`, the step recomputes
+that norm as max|x| sqrt(sum((x / max|x|)^2)) (`scaled_norm`), under
+``lax.cond``: the common path pays one comparison of the sums, no pass over memory.
+
 Every norm of the package goes through here: the global clipping norm, the
 trust ratio's ||p|| and ||u|| (per leaf or stacked slice), on every
 implementation. A leaf sharded inside ``shard_map``/``pmap`` sees only its
@@ -9,6 +15,7 @@ square root; one ``psum`` per distinct axis name covers all leaves.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# Below this a float32 sum of squares may have lost terms to underflow (2^-100: about 8e-31).
+SMALL_SQUARED_NORM = 2.0**-100
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -63,6 +73,35 @@ def sq_norms(*xs, stacked_axes: int = 0, partial_count: int = 16):
   return tuple(jnp.sum(s, axis=-1) for s in partials)
 
 
+def safe_sqrt(sq):
+  """sqrt(sq), whose derivative stays finite where sq is 0 (the value there is 0).
+
+  Callers take another branch where a norm is 0; with a plain sqrt the untaken
+  branch's infinite derivative would still make gradients through the step NaN
+  (jax.grad of a loss through a step on a zero-initialised leaf).
+  """
+  positive = sq > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq))), 0)
+
+
+def needs_scaling(sq) -> jax.Array:
+  """Where a float32 sum of squares may be wrong: infinite, or small enough to have underflowed."""
+  return jnp.logical_or(sq < SMALL_SQUARED_NORM, jnp.isinf(sq))
+
+
+def scaled_norm(x, stacked_axes: int = 0, axis_name=None):
+  """||x|| over all but the first `stacked_axes` axes, right for every finite x (no overflow,
+  no underflow): max|x| sqrt(sum((x / max|x|)^2)), the max and sum taken over `axis_name` too."""
+  x = x.astype(compute_dtype(x.dtype))
+  axes = tuple(range(stacked_axes, x.ndim))
+  peak = jnp.max(jnp.abs(x), axis=axes)
+  if axis_name is not None:
+    peak = jax.lax.pmax(peak, axis_name)
+  safe_peak = jnp.where(peak > 0, peak, jnp.ones_like(peak))
+  scaled = x / jnp.reshape(safe_peak, safe_peak.shape + (1,) * len(axes))
+  return safe_peak * safe_sqrt(psum_if(jnp.sum(jnp.square(scaled), axis=axes), axis_name))
+
+
 def psum_if(x, axis_name):
   """Sum over the named mapped axes (shard_map/pmap) when `axis_name` is given."""
   return x if axis_name is None else jax.lax.psum(x, axis_name)
@@ -106,3 +145,17 @@ def global_sq_norm(leaves: Sequence[Any], names: Sequence[Any]) -> jax.Array:
   for x, name in zip(leaves, names, strict=True):
     totals[name] = totals.get(name, jnp.zeros((), jnp.float32)) + sq_norm(x)
   return sum((psum_if(total, name) for name, total in totals.items()), jnp.zeros((), jnp.float32))
+
+
+def global_norm(leaves: Sequence[Any], names: Sequence[Any]) -> jax.Array:
+  """The norm of all `leaves` together (each psum'd over its axis names), right for every finite
+  input: the plain sum of squares, rescaled only where it overflowed (gradients near 1e19)."""
+  sq = global_sq_norm(leaves, names)
+
+  def rescaled():
+    norms = [scaled_norm(x, 0, name) for x, name in zip(leaves, names, strict=True)]
+    peak = functools.reduce(jnp.maximum, norms, jnp.zeros((), jnp.float32))
+    safe_peak = jnp.where(peak > 0, peak, 1)
+    return safe_peak * safe_sqrt(sum(jnp.square(n / safe_peak) for n in norms))
+
+  return jax.lax.cond(jnp.isinf(sq), rescaled, lambda: safe_sqrt(sq))

@@ -140,14 +140,22 @@ class StepPlan(NamedTuple):
   treedef: Any  # of the params
   parts: LambStateParts  # the state the step starts from
 
-  def ratios_from_slots(self, param_sq_norms: jax.Array, update_sq_norms: jax.Array) -> jax.Array:
-    """The ratio vector from squared-norm vectors over the slots, each psum'd over its leaf's axes."""
+  def ratios_from_slots(self, param_sq_norms, update_sq_norms, leaves: list) -> jax.Array:
+    """The ratio vector from squared-norm vectors over the slots, each psum'd over its leaf's axes.
+
+    `leaves` (the step's `LeafArrays`) serve to recompute the norms scaled where a
+    sum over- or underflowed (`exact_norms`).
+    """
     names = self.layout.per_slot([leaf.axis_name if leaf.adapt else None for leaf in self.leaves])
     adapted = self.layout.per_slot([leaf.adapt for leaf in self.leaves])
     summed = (_norms.psum_slots(x, names) for x in (param_sq_norms, update_sq_norms))
-    return _leaf.trust_ratios(*summed, self.hyper, adapted)
 
-  def ratios_from_leaves(self, param_sq_norms: list, update_sq_norms: list) -> jax.Array:
+    def exact_slot_norms():
+      return tuple(map(self.layout.join, exact_norms(self, leaves)))
+
+    return _leaf.trust_ratios(*summed, self.hyper, adapted, exact_slot_norms)
+
+  def ratios_from_leaves(self, param_sq_norms: list, update_sq_norms: list, leaves: list):
     """The ratio vector from per-leaf squared norms (zeros for leaves that do not adapt)."""
     return _leaf.trust_ratios_of_leaves(
       param_sq_norms,
@@ -156,7 +164,38 @@ class StepPlan(NamedTuple):
       [leaf.axis_name if leaf.adapt else None for leaf in self.leaves],
       self.layout,
       [leaf.adapt for leaf in self.leaves],
+      lambda: exact_norms(self, leaves),
     )
+
+
+def ratio_vectors(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays) -> tuple:
+  """(the params the ratio sees, u) of one leaf, recomputed from the step's inputs in plain jnp."""
+  m, v = _leaf.moments(x.g, x.m, x.v, h, p=x.p, decay=leaf.decay)
+  g = kept = None
+  if h.caution:
+    g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay)
+    kept = _leaf.caution_fraction(
+      _leaf.adam_direction(m, v, h), g, leaf.stacked_axes, leaf.axis_name
+    )
+  u = _leaf.direction(m, v, x.p, h, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
+  return _leaf.ratio_params(x.p, h, decay=leaf.decay), u
+
+
+def exact_norms(plan: StepPlan, leaves: list) -> tuple[list, list]:
+  """Per leaf, ||p|| and ||u|| per stacked slice computed scaled (`_norms.scaled_norm`), summed
+  over the leaf's axis names; zeros for leaves that do not adapt. The rare path of every
+  backend, taken where a plain float32 sum of squares over- or underflowed."""
+  p_norms, u_norms = [], []
+  for leaf, x in zip(plan.leaves, leaves, strict=True):
+    if not leaf.adapt:
+      zeros = jnp.zeros(leaf.shape[: leaf.stacked_axes], jnp.float32)
+      p_norms.append(zeros)
+      u_norms.append(zeros)
+      continue
+    p, u = ratio_vectors(plan.hyper, leaf, x)
+    p_norms.append(_norms.scaled_norm(p, leaf.stacked_axes, leaf.axis_name))
+    u_norms.append(_norms.scaled_norm(u, leaf.stacked_axes, leaf.axis_name))
+  return p_norms, u_norms
 
 
 def _narrow(stored, grad) -> bool:
@@ -181,8 +220,8 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
   names = _tree.resolve_axis_names(c.axis_name, params)
   clip_factor = None
   if c.max_grad_norm is not None:
-    sq_norm = _norms.global_sq_norm(jax.tree.leaves(grads), names)
-    clip_factor = _leaf.clip_factor(sq_norm, c.max_grad_norm, c.clip_norm_eps)
+    norm = _norms.global_norm(jax.tree.leaves(grads), names)
+    clip_factor = _leaf.clip_factor(norm, c.max_grad_norm, c.clip_norm_eps)
   hyper = _leaf.Hyperparams(
     b1=c.b1,
     b2=c.b2,

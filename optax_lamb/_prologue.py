@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_lamb import _check_state, _check_trees, _loss_scale, _norms, _tree
@@ -44,14 +45,19 @@ def with_prologue(
     return (unscaling.init(params), inner_state) if scheduled else inner_state
 
   def prologue(grads, state, params):
-    """(float32 grads, state) after the checks of the trees and of the state."""
+    """(float32 grads, state, params) after the checks of the trees and of the state.
+
+    Python numbers among the leaves become arrays here, as ``jax.jit`` makes them,
+    so an eager call computes what a jitted one does.
+    """
     _check_trees.check_update_args(grads, params, who)
     # The state must be what init gives for these params: checked on shapes, at trace time.
     state = _check_state.check_state(state, jax.eval_shape(init_fn, params), who)
-    return _norms.to_compute_dtype(grads), state
+    params = jax.tree.map(jnp.asarray, params)
+    return _norms.to_compute_dtype(jax.tree.map(jnp.asarray, grads)), state, params
 
   def update_fn(updates, state, params=None, **extra_args):
-    grads, state = prologue(updates, state, params)
+    grads, state, params = prologue(updates, state, params)
     scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
     given = extra_args.pop("grad_scale", None)
     grads, scale_state = unscaling.update(grads, scale_state, grad_scale=given)
@@ -61,7 +67,7 @@ def with_prologue(
   if fused_apply is not None and grad_scale is None:
 
     def fused(grads, state, params):
-      grads, state = prologue(grads, state, params)
+      grads, state, params = prologue(grads, state, params)
       return fused_apply(grads, state, params)
 
     update_fn.fused_apply = fused

@@ -119,7 +119,19 @@ def trust_ratio_stage(
 
     adapts = [bool(a) for a in adapts]
     names = [n if a else None for n, a in zip(names, adapts, strict=True)]
-    ratios = _leaf.trust_ratios_of_leaves(sq_norms(ps), sq_norms(us), h, names, layout, adapts)
+
+    def exact_norms():  # the rare path: a sum of squares over- or underflowed
+      return tuple(
+        [
+          _norms.scaled_norm(x, k, n) if a else jnp.zeros(jnp.shape(x)[:k], jnp.float32)
+          for x, k, n, a in zip(xs, axes, names, adapts, strict=True)
+        ]
+        for xs in (ps, us)
+      )
+
+    ratios = _leaf.trust_ratios_of_leaves(
+      sq_norms(ps), sq_norms(us), h, names, layout, adapts, exact_norms
+    )
     scaled = [
       _leaf.scale_by_ratio(u, r) if a else u
       for u, r, a in zip(us, layout.pieces(ratios), adapts, strict=True)

@@ -84,7 +84,7 @@ def keras_clipping(clipnorm: Any, clipvalue: Any, axis_name: Any):
       leaves, treedef = jax.tree.flatten(grads)
       names = _tree.resolve_axis_names(axis_name, params)
       sq = _norms.psum_by_name([_norms.sq_norm(g) for g in leaves], names)
-      factors = [_leaf.clip_factor(s, clipnorm) for s in sq]
+      factors = [_leaf.clip_factor(_norms.safe_sqrt(s), clipnorm) for s in sq]
       grads = treedef.unflatten([_leaf.clip(g, f) for g, f in zip(leaves, factors, strict=True)])
     return grads
 

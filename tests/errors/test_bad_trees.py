@@ -110,3 +110,36 @@ def test_bad_stacked_axes_names_the_leaf():
   tx = optax_lamb.lamb(1e-3, stacked_axes=2)
   with pytest.raises(ValueError, match=r"stacked_axes=2 at \['b'\]\['c'\].*rank 1"):
     tx.init(_tree())
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
+def test_python_number_leaves_step_alike_eager_and_jitted(implementation):
+  """A Python float leaf becomes a float32 array, as jax.jit makes it, in both modes (which
+  agree up to the rounding of fused and unfused float32 arithmetic)."""
+  from helpers.asserts import assert_trees_close
+  from helpers.implementations import lamb_for
+
+  params = {"f": 1.5, "w": jnp.linspace(0.5, 1.0, 6).reshape(2, 3)}
+  grads = {"f": 0.25, "w": jnp.full((2, 3), 0.1)}
+  tx = lamb_for(implementation)(1e-2, weight_decay=0.01)
+  state = tx.init(params)
+  eager = tx.update(grads, state, params)
+  jitted = jax.jit(tx.update)(grads, state, params)
+  assert_trees_close(eager, jitted)
+  new_params, _ = optax_lamb.update_and_apply(tx, grads, state, params)
+  assert new_params["f"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("where", ["params", "grads"])
+def test_a_string_leaf_is_refused_naming_its_path(where):
+  tx = optax_lamb.lamb(1e-2)
+  params = {"w": jnp.ones(3), "name": jnp.ones(())}
+  grads = jax.tree.map(jnp.ones_like, params)
+  state = tx.init(params)
+  bad = {**(params if where == "params" else grads), "name": "bias"}
+  args = (grads, bad) if where == "params" else (bad, params)
+  with pytest.raises(TypeError, match=r"\['name'\] has dtype <U4"):
+    tx.update(args[0], state, args[1])
+  if where == "params":
+    with pytest.raises(TypeError, match=r"params\['name'\] has dtype <U4"):
+      tx.init(bad)

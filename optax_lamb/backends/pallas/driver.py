@@ -112,7 +112,7 @@ class PallasBackend:
           nu[c.leaf.index] = moments["v"].reshape(c.leaf.shape)
       p_parts.append(p_part)
       u_parts.append(u_part)
-    ratios = self._ratios(plan, tables, p_parts, u_parts, launch)
+    ratios = self._ratios(plan, leaves, tables, p_parts, u_parts, launch)
 
     # Pass 2: from the new moments, or from g and the old ones (`pass2.from_grads`).
     def inputs(leaf: LeafPlan, reshape=lambda a: a) -> dict:
@@ -153,7 +153,7 @@ class PallasBackend:
         take(c.leaf, result)
     return StepResult(out, mu, nu, ratios)
 
-  def _ratios(self, plan: StepPlan, tables, p_parts, u_parts, launch) -> jax.Array:
+  def _ratios(self, plan: StepPlan, leaves, tables, p_parts, u_parts, launch) -> jax.Array:
     """The ratio vector: the adapted slots' trust ratios from their partial sums, 1 elsewhere."""
     slots = plan.layout.size
     if not tables:
@@ -165,7 +165,7 @@ class PallasBackend:
       jnp.concatenate(u_parts),
       **launch,
     )
-    return plan.ratios_from_slots(p_sq, u_sq)
+    return plan.ratios_from_slots(p_sq, u_sq, leaves)
 
 
 def flat_arrays(x: LeafArrays, flat) -> dict:
