@@ -36,6 +36,8 @@ nb_execution_mode = "off"  # the notebooks are committed executed; CI checks tha
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# Shown by name, not expanded into its union of array types.
+autodoc_type_aliases = {"optax.ScalarOrSchedule": "optax.ScalarOrSchedule"}
 autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -63,3 +65,11 @@ def _generate(app):
 
 def setup(app):
   app.connect("builder-inited", _generate)
+
+
+# Broken cross-references fail the build (with -W); references to other packages are not
+# checked (no intersphinx: the build runs offline), those to optax_lamb are.
+nitpicky = True
+nitpick_ignore_regex = [
+  (r"py:.*", r"(optax|jax|jaxlib|numpy|collections|typing|flax|chex)(\..*)?"),
+]

@@ -20,11 +20,10 @@ def scale_by_adam(
   mu_dtype=None,
   nu_dtype=None,
 ) -> optax.GradientTransformation:
-  r"""Rescale updates by Adam's moment estimates.
+  """Rescale updates by Adam's moment estimates: the m, v and u lines of the LAMB update.
 
-  .. math::
-    m_t = b_1 m_{t-1} + (1 - b_1) g_t, \quad v_t = b_2 v_{t-1} + (1 - b_2) g_t^2,
-    \quad u_t = \frac{m_t / (1 - b_1^t)}{\sqrt{v_t / (1 - b_2^t) + \epsilon_{root}} + \epsilon}
+  The update is written out once, in :func:`optax_lamb.lamb`; this stage computes
+  its moments m, v and the direction u (before the decay term).
 
   With ``bias_correction=False`` the two corrections are 1, as in Google's
   original LAMB code. With ``grad_averaging=False`` the gradient enters the first

@@ -11,10 +11,11 @@ from optax_lamb import _check_args, _leaf, _norms, _tree
 
 
 def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.GradientTransformation:
-  """Scale the updates so their global norm is at most ``max_norm``.
+  """Scale the updates so their global norm is at most ``max_norm``: the clip line of the update.
 
-  Like :func:`optax.clip_by_global_norm`, but the norm is accumulated in float32
-  (no overflow for float16 gradients), and with ``axis_name`` each leaf's sum of
+  The update is written out once, in :func:`optax_lamb.lamb`. Like
+  :func:`optax.clip_by_global_norm`, but the norm is accumulated in float32 (no
+  overflow for float16 gradients; gradients near 1e20 rescaled, not zeroed), and with ``axis_name`` each leaf's sum of
   squares is ``psum``'d over the mapped axes that leaf is sharded over, for
   leaves sharded inside ``shard_map``/``pmap``. Clip after the gradients have
   been all-reduced (``pmean``/``psum_scatter``).

@@ -15,7 +15,9 @@ def add_decayed_weights(
   weight_decay: optax.ScalarOrSchedule = 0.0,
   mask: Any = None,
 ) -> optax.GradientTransformation:
-  """Add ``weight_decay * params`` to the updates; ``weight_decay`` may be a schedule.
+  """Add ``weight_decay * params`` to the updates (the lambda p term of :func:`optax_lamb.lamb`'s u).
+
+  ``weight_decay`` may be a schedule.
 
   Same as :func:`optax.add_decayed_weights`, plus schedules: a callable
   ``weight_decay`` is evaluated on a step count kept in an

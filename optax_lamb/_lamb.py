@@ -54,7 +54,10 @@ def lamb(
 ) -> optax.GradientTransformationExtraArgs:
   r"""The LAMB optimizer (You et al. 2019), a drop-in for :func:`optax.lamb`.
 
-  For each leaf (or each stacked layer slice of a leaf):
+  The update, for each leaf (or each stacked layer slice of a leaf); the stages
+  :func:`clip_by_global_norm`, :func:`scale_by_adam`, :func:`add_decayed_weights`
+  and :func:`scale_by_trust_ratio` compute its lines, and every implementation
+  computes all of it:
 
   .. math::
     g &\leftarrow g \cdot \min(1, c / \|g\|_{global})  \quad \text{(if max\_grad\_norm = c)} \\

@@ -94,7 +94,7 @@ def scaled_norm(x, stacked_axes: int = 0, axis_name=None):
   no underflow): max|x| sqrt(sum((x / max|x|)^2)), the max and sum taken over `axis_name` too."""
   x = x.astype(compute_dtype(x.dtype))
   axes = tuple(range(stacked_axes, x.ndim))
-  peak = jnp.max(jnp.abs(x), axis=axes)
+  peak = jnp.max(jnp.abs(x), axis=axes, initial=0.0)
   if axis_name is not None:
     peak = jax.lax.pmax(peak, axis_name)
   safe_peak = jnp.where(peak > 0, peak, jnp.ones_like(peak))

@@ -23,13 +23,11 @@ def scale_by_trust_ratio(
   stacked_axes: Any = None,
   axis_name: Any = None,
 ) -> optax.GradientTransformation:
-  r"""Scale each leaf's update by its trust ratio (LARS/LAMB layer adaptation).
+  """Scale each leaf's update by its trust ratio (LARS/LAMB layer adaptation): the r line.
 
-  .. math::
-    r = c \cdot \mathrm{clip}\left(\frac{\max(\|p\|, n_{min})}{\max(\|u\|, n_{min}) + \epsilon},
-        r_{min}, r_{max}\right), \qquad u \leftarrow r\,u
-
-  and r = 1 when either norm is zero. Norms are accumulated in float32. With no
+  The update is written out once, in :func:`optax_lamb.lamb`; here, with this
+  stage's extra knobs, ``r = c * clip(max(||p||, min_norm) / (max(||u||, min_norm) + eps),
+  min_ratio, max_ratio)`` and ``u <- r u``, and r = 1 when either norm is zero. Norms are accumulated in float32. With no
   keyword-only option set this equals :func:`optax.scale_by_trust_ratio`.
 
   Args:

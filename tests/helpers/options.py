@@ -111,7 +111,8 @@ CASES = {
   ),
   "no_bias_correction": Case({"bias_correction": False}, {"bias_correction": False}),
   "eps_root": Case({"eps_root": 1e-4, "eps": 1e-3}, {"eps_root": 1e-4, "eps": 1e-3}),
-  "eps_zero": Case({"eps": 0.0}, {"eps": 0.0}),  # 0/0 in masked-out kernel lanes
+  # eps = 0 needs eps_root > 0 (both 0 are refused); masked-out kernel lanes then divide 0 by a tiny number
+  "eps_zero": Case({"eps": 0.0, "eps_root": 1e-16}, {"eps": 0.0, "eps_root": 1e-16}),
   "max_grad_norm": Case({"max_grad_norm": 0.5}, {"max_grad_norm": 0.5}, 3.0),
   "max_grad_norm_loose": Case({"max_grad_norm": 1e3}, {"max_grad_norm": 1e3}),
   "stacked_axes": Case({"stacked_axes": STACKED_TREE}, {"stacked_axes": STACKED}),
