@@ -222,8 +222,9 @@ def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, exact
 
   The squares must already be summed over each slot's mapped axes; slots of
   leaves without layer adaptation get ratio 1. Where an adapted slot's sum may
-  have overflowed or underflowed (`_norms.needs_scaling`), the norms of every slot
-  come from `exact_norms()` (a pair of vectors, computed scaled) instead.
+  have overflowed or underflowed (`_norms.needs_scaling`), that slot's norms come
+  from `exact_norms()` (a pair of vectors, computed scaled; called only then;
+  None: the plain sums are used).
   """
   adapted = np.asarray(adapted, bool)
   suspect = jnp.logical_or(
@@ -231,10 +232,13 @@ def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, exact
   )
   plain = (_norms.safe_sqrt(param_sq_norms), _norms.safe_sqrt(update_sq_norms))
 
-  def exact():  # typed like `plain` (inside shard_map: varying over the same mesh axes)
-    return tuple(jnp.where(True, e, p) for e, p in zip(exact_norms(), plain, strict=True))
+  def exact():  # only the suspect slots change; typed like `plain` (shard_map's varying axes)
+    return tuple(jnp.where(suspect, e, p) for e, p in zip(exact_norms(), plain, strict=True))
 
-  norms = jax.lax.cond(jnp.any(jnp.logical_and(suspect, adapted)), exact, lambda: plain)
+  if exact_norms is None:  # the Pallas kernels' sums, not rescaled yet (docs/faults.md)
+    norms = plain
+  else:
+    norms = jax.lax.cond(jnp.any(jnp.logical_and(suspect, adapted)), exact, lambda: plain)
   ratio = trust_ratio(*norms, h)
   return jnp.where(adapted, ratio, jnp.ones_like(ratio))
 
