@@ -10,22 +10,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import (
-  _check_args,
-  _dispatch,
-  _leaf,
-  _loss_scale,
-  _norms,
-  _prologue,
-  _schedule,
-  _skip,
-  _tree,
-)
+from optax_lamb import _check_args, _dispatch, _leaf, _loss_scale, _norms, _prologue, _skip, _tree
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_stage
 from optax_lamb._decay import add_decayed_weights
 from optax_lamb._mixed_precision import with_master_weights
 from optax_lamb._plan import LambConfig, decay_coefficient
+from optax_lamb._schedule import scalar_valued
 from optax_lamb._trust_ratio import trust_ratio_stage
 
 
@@ -270,10 +261,10 @@ def build(
   _loss_scale.check_grad_scale(grad_scale)
   config = dataclasses.replace(
     config,
-    learning_rate=_schedule.scalar_valued(config.learning_rate, "learning_rate"),
-    weight_decay=_schedule.scalar_valued(config.weight_decay, "weight_decay"),
+    learning_rate=scalar_valued(config.learning_rate, "learning_rate"),
+    weight_decay=scalar_valued(config.weight_decay, "weight_decay"),
   )
-  grad_scale = _schedule.scalar_valued(grad_scale, "grad_scale")
+  grad_scale = scalar_valued(grad_scale, "grad_scale")
   stages = reference_chain(config)
 
   if implementation == "reference":

@@ -198,11 +198,8 @@ def ratio_params(p, h: Hyperparams, *, decay: bool):
 def trust_ratio(param_norm, update_norm, h: Hyperparams):
   """r = gamma clip(max(||p||, n) / (max(||u||, n) + eps_r), r_min, r_max), elementwise.
 
-  Takes the norms (of the squares summed over the mapped axes) and computes in
-  their dtype (float32, or float64 for float64 params). When either norm is zero
-  the ratio is exactly 1, so zero-initialised leaves (biases, LayerNorm offsets)
-  still move; the clamp and the coefficient then do not apply. Its derivatives are
-  finite there too.
+  In the norms' dtype (float32, or float64 for float64 params). Either norm zero:
+  r = 1 exactly (zero-initialised biases still move), with finite derivatives.
   """
   param_norm = jnp.maximum(param_norm, h.min_norm)
   if h.max_param_norm is not None:  # torch_optimizer's clamp_value (0: every ratio is 1)

@@ -149,18 +149,20 @@ def lamb_options(constructor: str, given: dict) -> dict:
   return {**LAMB_OPTIONS, **given}
 
 
-def check_torch_style(shared: tuple, **flags: Any) -> dict:
+def check_torch_style(arguments: dict, flags: tuple[str, ...]) -> dict:
   """What apex, DeepSpeed, timm and torch_optimizer share: lr, betas, eps, weight decay, mask.
 
-  `shared` is (lr, betas, eps, weight_decay, weight_decay_mask). Checks them and each
-  flag (a bool); returns `make`'s keywords for them.
+  `arguments` are the constructor's (its ``locals()``), `flags` the names of its bool
+  arguments. Checks them; returns `make`'s keywords for the shared ones.
   """
-  lr, betas, eps, weight_decay, mask = shared
+  lr, betas, eps, weight_decay, mask = (
+    arguments[k] for k in ("lr", "betas", "eps", "weight_decay", "weight_decay_mask")
+  )
   b1, b2 = check_betas("betas", betas)
   _check_args.check_non_negative("eps", eps)
   _check_args.check_non_negative("weight_decay", weight_decay)
-  for name, flag in flags.items():
-    _check_args.check_bool(name, flag)
+  for name in flags:
+    _check_args.check_bool(name, arguments[name])
   check_mask("weight_decay_mask", mask)
   return dict(
     learning_rate=lr,

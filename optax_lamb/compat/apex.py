@@ -6,6 +6,8 @@ from typing import Any
 
 from optax_lamb.compat import _common
 
+_FLAGS = ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")  # the bool arguments
+
 
 def apex_fused_lamb(
   lr: Any = 1e-3,
@@ -70,13 +72,7 @@ def apex_fused_lamb(
   if max_grad_norm is None:
     raise TypeError("max_grad_norm must be a number (apex's kernel needs one), got None")
   weight_decay = _common.check_number("weight_decay", weight_decay)
-  torch_style = _common.check_torch_style(
-    (lr, betas, eps, weight_decay, weight_decay_mask),
-    bias_correction=bias_correction,
-    adam_w_mode=adam_w_mode,
-    grad_averaging=grad_averaging,
-    use_nvlamb=use_nvlamb,
-  )
+  torch_style = _common.check_torch_style(locals(), _FLAGS)
   return _common.make(
     **torch_style,
     weight_decay_placement="direction" if adam_w_mode else "gradient",

@@ -7,6 +7,8 @@ from typing import Any
 
 from optax_lamb.compat import _common
 
+_FLAGS = ("eps_inside_sqrt", "bias_correction")  # the bool arguments
+
 DEEPSPEED_CLIP_EPS = 1e-6  # added to the gradient norm before it is compared with max_grad_norm
 
 
@@ -70,11 +72,7 @@ def deepspeed_fused_lamb(
   """
   if amsgrad:
     raise RuntimeError("FusedLamb does not support the AMSGrad variant.")
-  torch_style = _common.check_torch_style(
-    (lr, betas, eps, weight_decay, weight_decay_mask),
-    eps_inside_sqrt=eps_inside_sqrt,
-    bias_correction=bias_correction,
-  )
+  torch_style = _common.check_torch_style(locals(), _FLAGS)
   clip = _common.check_number("max_grad_norm", max_grad_norm)
   if math.isnan(clip):
     raise ValueError(f"max_grad_norm must be a number, got max_grad_norm={max_grad_norm!r}")

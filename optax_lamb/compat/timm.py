@@ -7,6 +7,16 @@ from typing import Any
 from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
+_FLAGS = (
+  "bias_correction",
+  "grad_averaging",
+  "trust_clip",
+  "always_adapt",
+  "caution",
+  "decoupled_decay",
+  "corrected_weight_decay",
+)  # the bool arguments
+
 
 def _timm_validate(name: str, value: Any, argument: str) -> None:
   """timm's _validate_scalar: a negative value is a ValueError('Invalid <name>: <value>')."""
@@ -85,16 +95,7 @@ def timm_lamb(
   _timm_validate("epsilon", eps, "eps")
   _timm_validate("weight_decay", weight_decay, "weight_decay")
   weight_decay = _common.check_number("weight_decay", weight_decay)
-  torch_style = _common.check_torch_style(
-    (lr, betas, eps, weight_decay, weight_decay_mask),
-    bias_correction=bias_correction,
-    grad_averaging=grad_averaging,
-    trust_clip=trust_clip,
-    always_adapt=always_adapt,
-    caution=caution,
-    decoupled_decay=decoupled_decay,
-    corrected_weight_decay=corrected_weight_decay,
-  )
+  torch_style = _common.check_torch_style(locals(), _FLAGS)
   clip = None if max_grad_norm is None else _common.torch_clip(max_grad_norm, "timm")
   decoupled = decoupled_decay and weight_decay != 0
   corrected = decoupled and corrected_weight_decay

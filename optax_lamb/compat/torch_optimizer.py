@@ -7,6 +7,8 @@ from typing import Any
 
 from optax_lamb.compat import _common
 
+_FLAGS = ("adam", "debias")  # the bool arguments
+
 
 def torch_optimizer_lamb(
   lr: Any = 1e-3,
@@ -62,9 +64,7 @@ def torch_optimizer_lamb(
   clamp = _common.check_number("clamp_value", clamp_value)
   if not clamp >= 0.0:
     raise ValueError(f"Invalid clamp value: {clamp_value} (clamp_value={clamp_value!r})")
-  torch_style = _common.check_torch_style(
-    (lr, betas, eps, weight_decay, weight_decay_mask), adam=adam, debias=debias
-  )
+  torch_style = _common.check_torch_style(locals(), _FLAGS)
   return _common.make(
     **torch_style,
     bias_correction=debias,
