@@ -232,7 +232,7 @@ def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, exact
   def exact():  # only the suspect slots change; typed like `plain` (shard_map's varying axes)
     return tuple(jnp.where(suspect, e, p) for e, p in zip(exact_norms(), plain, strict=True))
 
-  if exact_norms is None:  # the Pallas kernels' sums, not rescaled yet (docs/faults.md)
+  if exact_norms is None:  # the fused backends' sums, not rescaled yet (docs/faults.md)
     norms = plain
   else:
     norms = jax.lax.cond(jnp.any(jnp.logical_and(suspect, adapted)), exact, lambda: plain)
@@ -255,10 +255,10 @@ def trust_ratios_of_leaves(
   p_sq, u_sq = layout.join(summed[:n]), layout.join(summed[n:])
 
   def exact_slot_norms():
-    p_norms, u_norms = exact_norms()
-    return layout.join(p_norms), layout.join(u_norms)
+    return tuple(map(layout.join, exact_norms()))
 
-  return trust_ratios(p_sq, u_sq, h, layout.per_slot(adapted), exact_slot_norms)
+  exact = None if exact_norms is None else exact_slot_norms
+  return trust_ratios(p_sq, u_sq, h, layout.per_slot(adapted), exact)
 
 
 def broadcast_ratio(ratio, leaf):

@@ -143,15 +143,18 @@ class StepPlan(NamedTuple):
   def ratios_from_slots(self, param_sq_norms, update_sq_norms) -> jax.Array:
     """The ratio vector from squared-norm vectors over the slots, each psum'd over its leaf's axes.
 
-    The sums are used as they are (the Pallas backend's; not rescaled, unlike `exact_norms`).
+    The sums are used as they are (the Pallas backend's; the stage chain rescales them).
     """
     names = self.layout.per_slot([leaf.axis_name if leaf.adapt else None for leaf in self.leaves])
     adapted = self.layout.per_slot([leaf.adapt for leaf in self.leaves])
     summed = (_norms.psum_slots(x, names) for x in (param_sq_norms, update_sq_norms))
     return _leaf.trust_ratios(*summed, self.hyper, adapted, None)
 
-  def ratios_from_leaves(self, param_sq_norms: list, update_sq_norms: list, leaves: list, moments):
-    """The ratio vector from per-leaf squared norms (zeros for leaves that do not adapt)."""
+  def ratios_from_leaves(self, param_sq_norms: list, update_sq_norms: list) -> jax.Array:
+    """The ratio vector from per-leaf squared norms (zeros for leaves that do not adapt).
+
+    The sums are used as they are (the fused backends'; the stage chain rescales them).
+    """
     return _leaf.trust_ratios_of_leaves(
       param_sq_norms,
       update_sq_norms,
@@ -159,46 +162,8 @@ class StepPlan(NamedTuple):
       [leaf.axis_name if leaf.adapt else None for leaf in self.leaves],
       self.layout,
       [leaf.adapt for leaf in self.leaves],
-      lambda: exact_norms(self, leaves, *moments),
+      None,
     )
-
-
-def ratio_vectors(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays, m, v) -> tuple:
-  """(the params the ratio sees, u) of one leaf in plain jnp, from its new moments as stored.
-
-  Narrow moments (stored rounded) are recomputed from g and the old moments
-  instead, as the backends' updates use them. Reading the new moments, not the
-  old, keeps the old buffers free for the kernels to overwrite in place.
-  """
-  if leaf.narrow_moments:
-    m, v = _leaf.moments(x.g, x.m, x.v, h, p=x.p, decay=leaf.decay)
-  m, v = (a.astype(_norms.compute_dtype(a.dtype)) for a in (m, v))
-  g = kept = None
-  if h.caution:
-    g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay)
-    kept = _leaf.caution_fraction(
-      _leaf.adam_direction(m, v, h), g, leaf.stacked_axes, leaf.axis_name
-    )
-  u = _leaf.direction(m, v, x.p, h, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
-  return _leaf.ratio_params(x.p, h, decay=leaf.decay), u
-
-
-def exact_norms(plan: StepPlan, leaves: list, mu: list, nu: list) -> tuple[list, list]:
-  """Per leaf, ||p|| and ||u|| per stacked slice computed scaled (`_norms.scaled_norm`), summed
-  over the leaf's axis names; zeros for leaves that do not adapt. The rare path of every
-  backend, taken where a plain float32 sum of squares over- or underflowed; `mu`, `nu` are
-  the step's new moments as stored."""
-  p_norms, u_norms = [], []
-  for leaf, x, m, v in zip(plan.leaves, leaves, mu, nu, strict=True):
-    if not leaf.adapt:
-      zeros = jnp.zeros(leaf.shape[: leaf.stacked_axes], jnp.float32)
-      p_norms.append(zeros)
-      u_norms.append(zeros)
-      continue
-    p, u = ratio_vectors(plan.hyper, leaf, x, m, v)
-    p_norms.append(_norms.scaled_norm(p, leaf.stacked_axes, leaf.axis_name))
-    u_norms.append(_norms.scaled_norm(u, leaf.stacked_axes, leaf.axis_name))
-  return p_norms, u_norms
 
 
 def _narrow(stored, grad) -> bool:

@@ -1,4 +1,4 @@
-"""Skipping steps whose gradients, or results, hold a NaN or an Inf."""
+"""Skipping steps whose gradients hold a NaN or an Inf."""
 
 from __future__ import annotations
 
@@ -48,18 +48,14 @@ def skip_nonfinite(
   axis_name: Any = None,
   max_consecutive_errors: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Skip every step whose gradients hold a NaN or an Inf, or whose results would.
+  """Skip every step whose gradients hold a NaN or an Inf.
 
-  A step is skipped when its gradients are not finite, or when taking it would
-  leave the updates or the wrapped state (moments, master weights) non-finite:
-  a finite gradient of 1e20, say, whose square overflows the second moment. On
-  such a step the updates are zero and the wrapped state is returned as it was
+  On such a step the updates are zero and the wrapped state is returned as it was
   (moments, step count, trust ratios, master weights), so the parameters do not
   change; :class:`SkipNonFiniteState` counts the skipped steps, in total and in a
-  row (read them with :func:`skip_counts`). The choice is a :func:`jax.lax.cond`,
+  row (read them with :func:`skip_counts`). The branch is a :func:`jax.lax.cond`,
   so it jits, and ``optax.MultiSteps`` around it skips an accumulated step that
-  one bad micro-batch poisoned. Checking the results reads the new state once
-  more: a cost only when this wrapper is on.
+  one bad micro-batch poisoned.
 
   Args:
     inner: the transformation to protect.
@@ -94,18 +90,23 @@ def skip_nonfinite(
         "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
         + _check_state.RESTORE_HINT
       )
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    finite = all_finite((updates, new_updates, new_inner), axis_name)
+    finite = all_finite(updates, axis_name)
     consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
     take = finite
     if max_consecutive_errors is not None:
       take = jnp.logical_or(finite, consecutive > max_consecutive_errors)
+    arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
+    others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
+
+    def apply(updates, inner_state, params, arrays):
+      return inner.update(updates, inner_state, params, **arrays, **others)
+
+    def skip(updates, inner_state, params, arrays):
+      out, _ = jax.eval_shape(apply, updates, inner_state, params, arrays)
+      return optax.tree.zeros_like(out), inner_state
+
     new_updates, new_inner = jax.lax.cond(
-      take,
-      lambda taken, kept: taken,
-      lambda taken, kept: (optax.tree.zeros_like(taken[0]), kept),
-      (new_updates, new_inner),
-      state.inner_state,
+      take, apply, skip, updates, state.inner_state, params, arrays
     )
     return new_updates, SkipNonFiniteState(
       total=jnp.where(finite, state.total, optax.safe_increment(state.total)),

@@ -75,3 +75,16 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section(f"worst margin (|error| / tolerance) over {which}")
     for test, margin in sorted(asserts.MARGINS.items()):
       terminalreporter.write_line(f"{margin:8.3f}  {test}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilation_caches():
+  """Drop jax's compiled executables after each test module.
+
+  One process compiles a few thousand programs; keeping them all made XLA:CPU's
+  compiler crash (segfault) late in the run on jax 0.10.2.
+  """
+  yield
+  import jax
+
+  jax.clear_caches()

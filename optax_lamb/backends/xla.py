@@ -60,12 +60,9 @@ class XlaBackend:
       _pass1(h, leaf, x, self.materialize_u_max_size)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
-    ratios = plan.ratios_from_leaves(
-      [f.p_sq for f in firsts],
-      [f.u_sq for f in firsts],
-      leaves,
-      ([f.m for f in firsts], [f.v for f in firsts]),
-    )
+    # The sums as they are, not rescaled where they over- or underflow: a rescaling branch
+    # here cost a param-sized temporary per step (XLA copies a conditional's operands).
+    ratios = plan.ratios_from_leaves([f.p_sq for f in firsts], [f.u_sq for f in firsts])
     out = [
       _pass2(h, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(
