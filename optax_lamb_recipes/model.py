@@ -69,11 +69,16 @@ class Bert(nnx.Module):
     return self.token_embed.attend(x) + self.output_bias[...]
 
 
-def mlm_loss(model: Bert, batch) -> jax.Array:
-  """Mean cross-entropy (nats) over the masked positions."""
+def mlm_losses(model: Bert, batch) -> jax.Array:
+  """Cross-entropy (nats) at each masked position, ``[batch, n_pred]``."""
   logits = model(batch.inputs, batch.positions)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-  return -jnp.take_along_axis(logp, batch.targets[..., None], axis=-1).mean()
+  return -jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
+
+
+def mlm_loss(model: Bert, batch) -> jax.Array:
+  """Mean cross-entropy (nats) over the masked positions."""
+  return mlm_losses(model, batch).mean()
 
 
 def init_params(cfg: BertConfig, seed: int = 0):
@@ -85,3 +90,8 @@ def init_params(cfg: BertConfig, seed: int = 0):
 def loss_fn(graphdef, params, batch) -> jax.Array:
   """The masked-LM loss as a pure function of the parameters (for ``jax.grad``)."""
   return mlm_loss(nnx.merge(graphdef, params), batch)
+
+
+def sequence_losses(graphdef, params, batch) -> jax.Array:
+  """Each sequence's mean loss over its masked positions, ``[batch]`` (for bootstraps)."""
+  return mlm_losses(nnx.merge(graphdef, params), batch).mean(axis=-1)

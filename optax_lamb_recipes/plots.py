@@ -1,35 +1,39 @@
-"""Figures of a sweep's results (the JSON written by ``optax_lamb_recipes.sweep``)."""
+"""Figures of a sweep's results (``sweep``) and of the claim study's (``study``, ``analysis``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# One colour and marker per arm, named as in the table (sweep.ARMS).
-STYLE = {
-  "LAMB": dict(color="C0", marker="o", ls="-"),
-  "LAMB retuned": dict(color="C9", marker="D", ls=":"),
-  "AdamW": dict(color="C1", marker="s", ls="--"),
-  "AdamW retuned": dict(color="C2", marker="^", ls="-."),
+from optax_lamb_recipes import analysis, report
+
+# Colour = optimizer, line style and marker = tuning protocol: six arms told apart in print too.
+COLOUR = {"lamb": "C0", "adamw": "C1"}
+PROTOCOL_STYLE = {
+  "tuned at B_min": dict(marker="o", ls="-"),
+  "tuned at B_max": dict(marker="s", ls="--"),
+  "retuned per batch": dict(marker="^", ls=":"),
 }
 
 
-def _cmap():
+def arm_style(arm: str) -> dict:
+  protocol = arm.split(" ", 1)[1]
+  return dict(color=COLOUR[report.FAMILY[arm]], **PROTOCOL_STYLE[protocol])
+
+
+def _batch_colours(batches):
   import matplotlib
 
-  return matplotlib.colormaps["viridis"]
+  cmap = matplotlib.colormaps["viridis"]
+  return {b: cmap(i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
 
 
-def _arm_run(results: dict, arm: str, batch: int, seed: int | None = None) -> dict:
-  """The run an arm reports at ``batch`` for ``seed`` (default: the first seed)."""
-  from optax_lamb_recipes.sweep import FAMILY
-
-  cfg = results["config"]
-  seed = cfg["seeds"][0] if seed is None else seed
-  factor = results["chosen_factors"][arm][cfg["batches"].index(batch)]
-  key = (FAMILY[arm], batch, factor, seed)
-  return next(
-    r for r in results["runs"] if (r["family"], r["batch"], r["factor"], r["seed"]) == key
-  )
+def _arm_runs(results: dict, arm: str, batch: int) -> list[dict]:
+  """The runs (one per seed) an arm reports at ``batch``."""
+  factors = results.get("chosen_factors") or results["tuning"]["chosen_factors"]
+  factor = factors[arm][results["config"]["batches"].index(batch)]
+  key = (report.FAMILY[arm], batch, factor)
+  runs = (r for r in results["runs"] if (r["family"], r["batch"], r["factor"]) == key)
+  return sorted(runs, key=lambda r: r["seed"])
 
 
 def _baseline_lines(results: dict, ax) -> None:
@@ -40,94 +44,127 @@ def _baseline_lines(results: dict, ax) -> None:
   ):
     values = {str(k): v for k, v in (results["data"].get(key) or {}).items()}
     if seq in values:
-      ax.axhline(values[seq], label=label, **style)
+      ax.axhline(values[seq], label=label, lw=1, **style)
+
+
+def _log2_batches(ax, batches) -> None:
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(batches, [str(int(b)) for b in batches])
+  ax.minorticks_off()
+  ax.set_xlabel("batch size (same number of samples per run)")
 
 
 def final_loss_vs_batch(results: dict, ax) -> None:
   """Final test loss against batch size, one line per arm, error bars = spread over seeds."""
   rows = results["summary"]
   batches = np.array([r["batch"] for r in rows], float)
-  for k, (arm, style) in enumerate(STYLE.items()):
+  for k, arm in enumerate(report.ARMS):
     y = np.array([np.nan if r[arm]["mean"] is None else r[arm]["mean"] for r in rows])
     err = np.array([r[arm]["std"] or 0.0 for r in rows])
-    x = batches * 1.03 ** (k - 1.5)  # nudge the arms apart so the error bars stay readable
-    ax.errorbar(x, y, yerr=err, label=arm, capsize=3, ms=5, **style)
+    x = batches * 1.025 ** (k - 2.5)  # nudge the arms apart so the error bars stay readable
+    ax.errorbar(x, y, yerr=err, label=arm, capsize=2, ms=4, **arm_style(arm))
   _baseline_lines(results, ax)
   n = len(results["config"]["seeds"])
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(batches, [str(int(b)) for b in batches])
-  ax.set_xlabel("batch size (same number of samples per run)")
+  _log2_batches(ax, batches)
   ax.set_ylabel("final test MLM loss (nats)")
   ax.set_title(f"Quality vs batch size (mean ± sd over {n} seed{'s' * (n > 1)})")
   ax.legend(fontsize=8)
 
 
-def loss_vs_samples(results: dict, ax, arms=("LAMB", "AdamW retuned")) -> None:
-  """Test loss against samples seen (first seed): colour = batch size, line style = arm."""
+def loss_vs_samples(results: dict, ax, arms=None) -> None:
+  """Test loss against samples seen, mean over seeds: colour = batch size, line style = arm.
+
+  The first evaluation (far above the rest) is left out so that the axis shows the differences.
+  """
   from matplotlib.lines import Line2D
 
+  arms = arms or (
+    report.arm_name("lamb", "tuned at B_min"),
+    report.arm_name("adamw", "tuned at B_min"),
+  )
   batches = results["config"]["batches"]
-  cmap = _cmap()
-  colour = {b: cmap(i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
+  colour = _batch_colours(batches)
   for b in batches:
     for arm in arms:
-      r = _arm_run(results, arm, b)
-      y = [np.nan if h is None else h for h in r["test"]]
-      ax.plot(r["samples"], y, STYLE[arm]["ls"], color=colour[b])
+      runs = _arm_runs(results, arm, b)
+      y = np.nanmean([[np.nan if h is None else h for h in r["test"]] for r in runs], axis=0)
+      ax.plot(runs[0]["samples"][1:], y[1:], arm_style(arm)["ls"], color=colour[b])
+  _baseline_lines(results, ax)
   handles = [Line2D([], [], color=colour[b], label=f"B={b}") for b in batches]
-  handles += [Line2D([], [], color="k", ls=STYLE[a]["ls"], label=a) for a in arms]
-  ax.legend(handles=handles, fontsize=7, ncol=2)
+  handles += [Line2D([], [], color="k", ls=arm_style(a)["ls"], label=a) for a in arms]
+  ax.legend(handles=handles, fontsize=8, ncol=2)
   ax.set_xlabel("training sequences seen")
   ax.set_ylabel("test MLM loss (nats)")
-  ax.set_title("Loss vs samples: " + ", ".join(f"{a} ({STYLE[a]['ls']})" for a in arms))
+  n = len({r["seed"] for r in results["runs"]})
+  ax.set_title(f"Loss vs samples (mean over {n} seed{'s' * (n > 1)}; first evaluation not shown)")
 
 
-def trust_ratios(results: dict, ax, batch: int | None = None) -> None:
-  """LAMB's per-layer trust ratios over training at one batch size (the largest by default)."""
-  import matplotlib
+STEPS_OF = {"trust_ratios": "trust_ratio_steps", "relative_steps": "relative_step_steps"}
 
-  batch = batch or max(results["config"]["batches"])
-  run = _arm_run(results, "LAMB", batch)
-  names = list(run["trust_ratios"])
-  colours = matplotlib.colormaps["tab10"].colors
-  dashes = ["-", "--", ":", "-."]
-  for i, name in enumerate(names):  # colour and line style together: 40 distinct lines
-    style = dict(color=colours[i % 10], ls=dashes[(i // 10) % 4])
-    ax.plot(run["trust_ratio_steps"], run["trust_ratios"][name], lw=1.2, label=name, **style)
+
+def per_layer(run: dict, key: str, ax, colour, label: str) -> None:
+  """A band (min to max over the leaves) and the median of ``run[key]`` (per-leaf series)."""
+  series = np.array(list(run[key].values()), float)
+  steps = run[STEPS_OF[key]]
+  lo, med, hi = np.nanmin(series, 0), np.nanmedian(series, 0), np.nanmax(series, 0)
+  ax.fill_between(np.asarray(steps) / max(steps[-1], 1), lo, hi, color=colour, alpha=0.2, lw=0)
+  ax.plot(np.asarray(steps) / max(steps[-1], 1), med, color=colour, label=label)
+
+
+def trust_ratios_by_batch(results: dict, ax, batches=None) -> None:
+  """LAMB's trust ratios (median and range over the layers) at several batch sizes."""
+  batches = batches or results["config"]["batches"]
+  colour = _batch_colours(results["config"]["batches"])
+  arm = report.arm_name("lamb", "tuned at B_min")
+  for b in batches:
+    run = next((r for r in _arm_runs(results, arm, b) if "trust_ratios" in r), None)
+    if run is not None:
+      per_layer(run, "trust_ratios", ax, colour[b], f"B={b}")
   ax.set_yscale("log")
-  ax.set_xlabel("optimizer step")
+  ax.set_xlabel("fraction of training")
   ax.set_ylabel("trust ratio ||p|| / ||u||")
-  ax.set_title(f"LAMB trust ratios per layer, batch {batch}")
-  ax.legend(fontsize=5, ncol=2)
+  ax.set_title("LAMB: trust ratio per layer (line: median over layers, band: range)")
+  ax.legend(fontsize=8)
 
 
-def schedules(results: dict, ax, arms=("LAMB", "AdamW")) -> None:
-  """The learning-rate schedules of the arms, against samples seen (first seed)."""
-  batches = results["config"]["batches"]
-  cmap = _cmap()
-  for i, b in enumerate(batches):
-    for arm in arms:
-      r = _arm_run(results, arm, b)
-      lr = np.asarray(r["lr"], float)
-      keep = lr > 0  # step 0 of the warm-up has lr 0, which a log scale cannot show
-      x = np.asarray(r["lr_steps"])[keep] * b
-      colour = cmap(i / max(1, len(batches) - 1))
-      ax.plot(x, lr[keep], STYLE[arm]["ls"], color=colour, label=f"{arm} B={b}")
+def relative_steps_by_batch(results: dict, ax, family: str, batches=None) -> None:
+  """``||dp|| / ||p||`` per layer (median and range) at several batch sizes, for one optimizer."""
+  batches = batches or results["config"]["batches"]
+  colour = _batch_colours(results["config"]["batches"])
+  arm = report.arm_name(family, "tuned at B_min")
+  for b in batches:
+    run = next((r for r in _arm_runs(results, arm, b) if "relative_steps" in r), None)
+    if run is not None:
+      per_layer(run, "relative_steps", ax, colour[b], f"B={b}")
   ax.set_yscale("log")
+  ax.set_xlabel("fraction of training")
+  ax.set_ylabel("||dp|| / ||p|| per step")
+  ax.set_title(f"{report.OPTIMIZERS[family]}: relative step per layer (median, range)")
+  ax.legend(fontsize=8)
+
+
+def schedules(results: dict, ax, arm=None) -> None:
+  """One arm's learning-rate schedules against samples seen, linear axes (warm-up visible)."""
+  arm = arm or report.arm_name("lamb", "tuned at B_min")
+  batches = results["config"]["batches"]
+  colour = _batch_colours(batches)
+  for b in batches:
+    r = _arm_runs(results, arm, b)[0]
+    ax.plot(np.asarray(r["lr_steps"]) * b, r["lr"], color=colour[b], label=f"B={b}")
   ax.set_xlabel("training sequences seen")
   ax.set_ylabel("learning rate")
-  ax.set_title("Schedules: sqrt(B) peak, constant warm-up steps, poly decay")
-  ax.legend(fontsize=5, ncol=2)
+  ax.set_title(f"{arm}: sqrt(B) peak, constant warm-up steps, linear decay")
+  ax.legend(fontsize=8)
 
 
 def sweep_figure(results: dict, path: str | None = None):
-  """The four panels in one figure; saved to ``path`` when given."""
+  """The main job's four panels in one figure; saved to ``path`` when given."""
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(2, 2, figsize=(13, 9))
   final_loss_vs_batch(results, axes[0, 0])
   loss_vs_samples(results, axes[0, 1])
-  trust_ratios(results, axes[1, 0])
+  trust_ratios_by_batch(results, axes[1, 0])
   schedules(results, axes[1, 1])
   fig.suptitle(
     f"BERT large-batch recipe, '{results['config']['name']}' preset: {results['data']['source']}"
@@ -136,3 +173,37 @@ def sweep_figure(results: dict, path: str | None = None):
   if path is not None:
     fig.savefig(path, dpi=100)
   return fig
+
+
+def paired_differences(results: dict, ax) -> None:
+  """LAMB minus AdamW per tuning protocol against batch size, with 95% bootstrap intervals."""
+  diffs = analysis.paired_differences(results)
+  for k, (protocol, by_batch) in enumerate(diffs.items()):
+    bs = np.array(sorted(by_batch), float)
+    mean = np.array([by_batch[b]["mean"] for b in sorted(by_batch)])
+    lo = mean - np.array([by_batch[b]["low"] for b in sorted(by_batch)])
+    hi = np.array([by_batch[b]["high"] for b in sorted(by_batch)]) - mean
+    style = dict(PROTOCOL_STYLE[protocol], color=f"C{k + 2}")
+    ax.errorbar(bs * 1.03 ** (k - 1), mean, yerr=[lo, hi], capsize=3, label=protocol, **style)
+  ax.axhline(0, color="k", lw=0.8)
+  _log2_batches(ax, results["config"]["batches"])
+  ax.set_ylabel("LAMB − AdamW, final test loss (nats)")
+  ax.set_title("Paired by seed and test sequence; below 0: LAMB better (95% bootstrap interval)")
+  ax.legend(fontsize=8)
+
+
+def lr_sensitivity(tuning: dict, axes) -> None:
+  """Validation loss against the lr factor at each batch, one panel per optimizer (first seed)."""
+  cfg = tuning["config"]
+  colour = _batch_colours(cfg["batches"])
+  for ax, family in zip(axes, report.OPTIMIZERS, strict=True):
+    for b in cfg["batches"]:
+      runs = [r for r in tuning["runs"] if (r["seed"], r["family"], r["batch"]) == (0, family, b)]
+      runs.sort(key=lambda r: r["factor"])
+      y = [r["validation"][-1] if r["validation"][-1] is not None else np.nan for r in runs]
+      ax.plot([r["peak_lr"] for r in runs], y, "o-", ms=3, color=colour[b], label=f"B={b}")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final validation loss (nats)")
+    ax.set_title(f"{report.OPTIMIZERS[family]}: learning-rate sensitivity (seed 0)")
+    ax.legend(fontsize=8)

@@ -10,6 +10,7 @@ one optimizer family train side by side under ``jax.vmap`` on the same data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,6 +142,9 @@ class RunResult:
   phase_ends: list[int]  # samples seen at the end of each phase
   seconds: float
   test: list[float] | None = None  # test-split loss at each evaluation, when a test set is given
+  test_per_sequence: list[float] | None = None  # the final model's loss on each test sequence
+  # ||dp|| / ||p|| per decayed leaf and optimizer step (LAMB: lr x clamp, AdamW: what Adam does)
+  relative_steps: dict[str, list[float]] | None = None
 
   @property
   def final(self) -> float:
@@ -151,9 +155,72 @@ def _to_device(batch: MLMBatch) -> MLMBatch:
   return MLMBatch(*(jnp.asarray(x) for x in batch))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+  """The jitted training segment, initialisation and evaluation of one model and optimizer setup.
+
+  They take the parameters as arguments, so every seed's trainer shares them: a sweep compiles
+  each once (``_programs``), not once per seed.
+  """
+
+  graphdef: Any
+  opt: OptimizerConfig
+
+  def _tx(self, family, hyper):
+    sched = schedules.warmup_poly_decay(
+      hyper["peak_lr"], hyper["warmup"], hyper["steps"], hyper["power"]
+    )
+    return make_optimizer(family, sched, accumulate=hyper["k"], opt=self.opt)
+
+  def init(self, params, hyper, *, family):
+    return jax.vmap(lambda p, h: self._tx(family, h).init(p))(params, hyper)
+
+  def carry(self, params, old_state, hyper, *, family):
+    return carry_over_moments(old_state, self.init(params, hyper, family=family))
+
+  def segment(self, params, state, hyper, data, *, family):
+    def one_arm(params, state, hyper):
+      tx = self._tx(family, hyper)
+
+      def step(carry, mb):
+        params, state = carry
+        loss, grads = jax.value_and_grad(model_lib.loss_fn, argnums=1)(self.graphdef, params, mb)
+        updates, state = tx.update(grads, state, params)
+        moved = _relative_step(updates, params)
+        params = optax.apply_updates(params, updates)
+        ratios = (
+          jnp.stack(jax.tree.leaves(optax_lamb.trust_ratios(state)))
+          if family == "lamb"
+          else jnp.zeros(())
+        )
+        return (params, state), (loss, ratios, moved)
+
+      (params, state), (losses, ratios, moved) = jax.lax.scan(step, (params, state), data)
+      return params, state, losses.mean(), ratios, moved
+
+    return jax.vmap(one_arm, in_axes=(0, 0, 0))(params, state, hyper)
+
+  def jitted(self):
+    """``(segment, init, carry, eval, eval_sequences)``, compiled on first use."""
+    losses = lambda fn: jax.jit(jax.vmap(lambda p, b: fn(self.graphdef, p, b), in_axes=(0, None)))
+    return (
+      jax.jit(self.segment, static_argnames=("family",), donate_argnums=(0, 1)),
+      jax.jit(self.init, static_argnames=("family",)),
+      jax.jit(self.carry, static_argnames=("family",)),
+      losses(model_lib.loss_fn),
+      losses(model_lib.sequence_losses),
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(model_cfg: model_lib.BertConfig, opt: OptimizerConfig):
+  graphdef, _ = model_lib.init_params(model_cfg, 0)  # the structure, the same for every seed
+  return _Programs(graphdef, opt).jitted()
+
+
 @dataclasses.dataclass
 class Trainer:
-  """Compiled training segments and evaluation, shared by every run of a sweep.
+  """Training segments and evaluation for one seed's initial model (compiled once per setup).
 
   ``micro`` is the micro-batch size: a batch B trains as ``B // micro`` accumulated micro-batches.
   """
@@ -167,46 +234,8 @@ class Trainer:
     self.graphdef, self.params0 = model_lib.init_params(self.model_cfg, self.seed)
     self.names = leaf_names(self.params0)
     self.decayed = np.array(jax.tree.leaves(decay_mask(self.params0)))
-    self._segment = jax.jit(self._segment_impl, static_argnames=("family",), donate_argnums=(0, 1))
-    self._init = jax.jit(self._init_impl, static_argnames=("family",))
-    self._carry = jax.jit(self._carry_impl, static_argnames=("family",))
-    self._eval = jax.jit(
-      jax.vmap(lambda p, b: model_lib.loss_fn(self.graphdef, p, b), in_axes=(0, None))
-    )
-
-  def _tx(self, family, hyper):
-    sched = schedules.warmup_poly_decay(
-      hyper["peak_lr"], hyper["warmup"], hyper["steps"], hyper["power"]
-    )
-    return make_optimizer(family, sched, accumulate=hyper["k"], opt=self.opt)
-
-  def _init_impl(self, params, hyper, *, family):
-    return jax.vmap(lambda p, h: self._tx(family, h).init(p))(params, hyper)
-
-  def _carry_impl(self, params, old_state, hyper, *, family):
-    new = self._init_impl(params, hyper, family=family)
-    return carry_over_moments(old_state, new)
-
-  def _segment_impl(self, params, state, hyper, data, *, family):
-    def one_arm(params, state, hyper):
-      tx = self._tx(family, hyper)
-
-      def step(carry, mb):
-        params, state = carry
-        loss, grads = jax.value_and_grad(model_lib.loss_fn, argnums=1)(self.graphdef, params, mb)
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-        ratios = (
-          jnp.stack(jax.tree.leaves(optax_lamb.trust_ratios(state)))
-          if family == "lamb"
-          else jnp.zeros(())
-        )
-        return (params, state), (loss, ratios)
-
-      (params, state), (losses, ratios) = jax.lax.scan(step, (params, state), data)
-      return params, state, losses.mean(), ratios
-
-    return jax.vmap(one_arm, in_axes=(0, 0, 0))(params, state, hyper)
+    programs = _programs(self.model_cfg, self.opt)
+    self._segment, self._init, self._carry, self._eval, self._eval_sequences = programs
 
   def run(
     self,
@@ -224,94 +253,131 @@ class Trainer:
 
     ``train_data[seq_len]`` is the stream of examples for that sequence length; every run
     reads it from the start, in order, so every batch size sees the same samples.
-    ``held_out`` (the validation split) and ``test``, when given, are evaluated together.
+    ``held_out`` (the validation split) and ``test``, when given, are evaluated together;
+    the final model's loss on each test sequence is kept too (for paired bootstraps).
     Phase i's peak learning rate is ``peak_lrs[j] * phase.peak_lr / phases[0].peak_lr``.
     ``progress(n)`` is called with the samples trained after each segment.
     """
     start = time.perf_counter()
     n = len(peak_lrs)
     params = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), self.params0)
-    state = None
-    samples, held, tested, train_losses, ratio_rows, lrs, phase_ends = [], [], [], [], [], [], []
-    seen = 0
-    offsets: dict[int, int] = {}
+    state, log, offsets = None, _Log(), {}
     for i, ph in enumerate(phases):
-      k = ph.batch // self.micro
-      if k * self.micro != ph.batch or ph.steps % evals_per_phase:
-        raise ValueError(
-          f"batch {ph.batch} must be a multiple of micro {self.micro} and "
-          f"steps {ph.steps} a multiple of evals_per_phase {evals_per_phase}"
-        )
-      scale = ph.peak_lr / phases[0].peak_lr
-      peaks = np.asarray(peak_lrs, np.float32) * scale
-      hyper = {
-        "peak_lr": jnp.asarray(peaks),
-        "warmup": jnp.full((n,), ph.warmup_steps, jnp.float32),
-        "steps": jnp.full((n,), ph.steps, jnp.float32),
-        "power": jnp.full((n,), ph.power, jnp.float32),
-        "k": jnp.full((n,), k, jnp.int32),
-      }
+      k = self._micro_steps(ph, evals_per_phase)
+      peaks = np.asarray(peak_lrs, np.float32) * (ph.peak_lr / phases[0].peak_lr)
+      hyper = _hyper(ph, peaks, k)
       if state is None:
         state = self._init(params, hyper, family=family)
       else:
         state = self._carry(params, state, hyper, family=family)
       sched = schedules.warmup_poly_decay(1.0, ph.warmup_steps, ph.steps, ph.power)
-      lrs.append(np.asarray(jax.vmap(sched)(jnp.arange(ph.steps)))[None] * peaks[:, None])
-      stream = train_data[ph.seq_len]
-      seg_micro = ph.steps * k // evals_per_phase
+      log.lrs.append(np.asarray(jax.vmap(sched)(jnp.arange(ph.steps)))[None] * peaks[:, None])
       off = offsets.get(ph.seq_len, 0)
-      need = ph.steps * ph.batch
-      if off + need > len(stream.inputs):
-        raise ValueError(
-          f"phase {i} needs {need} sequences of length {ph.seq_len}, "
-          f"only {len(stream.inputs) - off} left"
-        )
-      for e in range(evals_per_phase):
-        lo = off + e * seg_micro * self.micro
-        seg = MLMBatch(
-          *(
-            jnp.asarray(x[lo : lo + seg_micro * self.micro]).reshape(seg_micro, self.micro, -1)
-            for x in stream
-          )
-        )
-        params, state, loss, ratios = self._segment(params, state, hyper, seg, family=family)
-        seen += seg_micro * self.micro
-        samples.append(seen)
-        train_losses.append(np.asarray(loss))
-        held.append(np.asarray(self._eval(params, _to_device(held_out[ph.seq_len]))))
+      for seg in self._segments(train_data[ph.seq_len], off, ph, k, evals_per_phase, i):
+        params, state, loss, ratios, moved = self._segment(params, state, hyper, seg, family=family)
+        log.seen += len(seg.inputs) * self.micro
+        log.samples.append(log.seen)
+        log.train.append(np.asarray(loss))
+        log.held.append(np.asarray(self._eval(params, _to_device(held_out[ph.seq_len]))))
         if test is not None:
-          tested.append(np.asarray(self._eval(params, _to_device(test[ph.seq_len]))))
+          log.tested.append(np.asarray(self._eval(params, _to_device(test[ph.seq_len]))))
         if family == "lamb":
-          ratio_rows.append(np.asarray(ratios)[:, k - 1 :: k])
+          log.ratios.append(np.asarray(ratios)[:, k - 1 :: k])
+        log.moved.append(np.asarray(moved)[:, k - 1 :: k])  # the micro-batch that stepped
         if progress is not None:
-          progress(seg_micro * self.micro)
-      offsets[ph.seq_len] = off + need
-      phase_ends.append(seen)
-    seconds = time.perf_counter() - start
-    lrs_all = np.concatenate(lrs, axis=1)
-    ratios_all = np.concatenate(ratio_rows, axis=1) if ratio_rows else None
+          progress(len(seg.inputs) * self.micro)
+      offsets[ph.seq_len] = off + ph.steps * ph.batch
+      log.phase_ends.append(log.seen)
+    if test is not None:
+      final_test = _to_device(test[phases[-1].seq_len])
+      log.per_sequence = np.asarray(self._eval_sequences(params, final_test))
+    return self._results(family, phases[0].batch, peak_lrs, log, time.perf_counter() - start)
+
+  def _micro_steps(self, ph: schedules.Phase, evals_per_phase: int) -> int:
+    """Micro-batches per optimizer step; refuses batches and step counts that do not divide."""
+    k = ph.batch // self.micro
+    if k * self.micro != ph.batch or ph.steps % evals_per_phase:
+      raise ValueError(
+        f"batch {ph.batch} must be a multiple of micro {self.micro} and "
+        f"steps {ph.steps} a multiple of evals_per_phase {evals_per_phase}"
+      )
+    return k
+
+  def _segments(self, stream: MLMBatch, off: int, ph, k: int, evals: int, phase: int):
+    """The phase's training data as ``evals`` segments of ``[micro-batches, micro, seq]``."""
+    need = ph.steps * ph.batch
+    if off + need > len(stream.inputs):
+      raise ValueError(
+        f"phase {phase} needs {need} sequences of length {ph.seq_len}, "
+        f"only {len(stream.inputs) - off} left"
+      )
+    seg_micro = ph.steps * k // evals
+    for e in range(evals):
+      lo = off + e * seg_micro * self.micro
+      rows = slice(lo, lo + seg_micro * self.micro)
+      yield MLMBatch(*(jnp.asarray(x[rows]).reshape(seg_micro, self.micro, -1) for x in stream))
+
+  def _results(self, family, batch, peak_lrs, log: _Log, seconds: float) -> list[RunResult]:
+    lrs_all = np.concatenate(log.lrs, axis=1)
+    ratios_all = np.concatenate(log.ratios, axis=1) if log.ratios else None
+    moved_all = np.concatenate(log.moved, axis=1)
+    decayed = [
+      (li, nm) for li, (nm, d) in enumerate(zip(self.names, self.decayed, strict=True)) if d
+    ]
     results = []
-    for j in range(n):
+    for j, peak in enumerate(peak_lrs):
       ratios = None
       if ratios_all is not None:  # the decayed leaves (the others have ratio 1 by default)
-        ratios = {
-          nm: ratios_all[j, :, li].tolist()
-          for li, (nm, d) in enumerate(zip(self.names, self.decayed, strict=True))
-          if d
-        }
+        ratios = {nm: ratios_all[j, :, li].tolist() for li, nm in decayed}
       results.append(
         RunResult(
           family=family,
-          batch=phases[0].batch,
-          peak_lr=float(peak_lrs[j]),
-          samples=list(samples),
-          held_out=[float(h[j]) for h in held],
-          train=[float(t[j]) for t in train_losses],
+          batch=batch,
+          peak_lr=float(peak),
+          samples=list(log.samples),
+          held_out=[float(h[j]) for h in log.held],
+          train=[float(t[j]) for t in log.train],
           trust_ratios=ratios,
           lr=lrs_all[j].tolist(),
-          phase_ends=phase_ends,
+          phase_ends=list(log.phase_ends),
           seconds=seconds,
-          test=[float(t[j]) for t in tested] if test is not None else None,
+          test=[float(t[j]) for t in log.tested] if log.tested else None,
+          test_per_sequence=None if log.per_sequence is None else log.per_sequence[j].tolist(),
+          relative_steps={nm: moved_all[j, :, li].tolist() for li, nm in decayed},
         )
       )
     return results
+
+
+@dataclasses.dataclass
+class _Log:
+  """What a run records as it goes, for every learning rate of the group at once."""
+
+  seen: int = 0
+  samples: list = dataclasses.field(default_factory=list)
+  held: list = dataclasses.field(default_factory=list)
+  tested: list = dataclasses.field(default_factory=list)
+  train: list = dataclasses.field(default_factory=list)
+  ratios: list = dataclasses.field(default_factory=list)
+  moved: list = dataclasses.field(default_factory=list)
+  lrs: list = dataclasses.field(default_factory=list)
+  phase_ends: list = dataclasses.field(default_factory=list)
+  per_sequence: np.ndarray | None = None
+
+
+def _relative_step(updates: Any, params: Any) -> jax.Array:
+  """``||update|| / ||param||`` of each leaf, stacked in ``jax.tree.leaves`` order."""
+  ratio = lambda u, p: optax.tree.norm(u) / jnp.maximum(optax.tree.norm(p), 1e-30)
+  return jnp.stack(jax.tree.leaves(jax.tree.map(ratio, updates, params)))
+
+
+def _hyper(ph: schedules.Phase, peaks: np.ndarray, k: int) -> dict[str, jax.Array]:
+  """The traced hyper-parameters of one phase, one row per learning rate."""
+  n = len(peaks)
+  return {
+    "peak_lr": jnp.asarray(peaks),
+    "warmup": jnp.full((n,), ph.warmup_steps, jnp.float32),
+    "steps": jnp.full((n,), ph.steps, jnp.float32),
+    "power": jnp.full((n,), ph.power, jnp.float32),
+    "k": jnp.full((n,), k, jnp.int32),
+  }

@@ -12,7 +12,7 @@ pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tokenizers")
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 
 
 @pytest.mark.parametrize("name", ["quickstart.ipynb", "bert_large_batch.ipynb"])

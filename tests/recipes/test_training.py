@@ -1,6 +1,5 @@
-"""Unit tests of the BERT-recipe package (optax_lamb_recipes): schedules, masks, phases, data."""
+"""The recipe's training pieces: schedules, masks, phases, optimizers, the trainer and the data."""
 
-import dataclasses
 import itertools
 import json
 import math
@@ -14,7 +13,7 @@ import pytest
 pytest.importorskip("flax")
 
 import optax_lamb
-from optax_lamb_recipes import data, model, schedules, sweep, train
+from optax_lamb_recipes import data, model, presets, schedules, train
 
 TINY = model.BertConfig(vocab_size=40, hidden=16, layers=1, heads=2, mlp=32, max_len=16)
 
@@ -57,19 +56,19 @@ def test_warmup_poly_decay_accepts_traced_arguments():
 def test_sqrt_scaling_and_constant_warmup_steps():
   assert schedules.sqrt_scaled_lr(5e-3, 32768, 512) == pytest.approx(5e-3 / 8)
   assert schedules.sqrt_scaled_lr(1e-3, 16, 64) == pytest.approx(2e-3)
-  cfg = sweep.PRESETS["quick"]
-  phases = {b: sweep.phases_for(cfg, b, 1.0)[0] for b in cfg.batches}
+  cfg = presets.PRESETS["quick"]
+  phases = {b: presets.phases_for(cfg, b, 1.0)[0] for b in cfg.batches}
   assert len({p.warmup_steps for p in phases.values()}) == 1  # same steps at every batch
   assert phases[512].warmup_steps == round(cfg.warmup_frac * phases[512].steps)
   assert all(p.steps * p.batch == cfg.samples for p in phases.values())  # same samples
-  lrs = sweep.base_lrs(cfg, 128)
+  lrs = presets.base_lrs(cfg, 128)
   assert lrs["lamb"] == pytest.approx(cfg.lamb_lr * math.sqrt(128 / 512))
   assert lrs["adamw"] == pytest.approx(cfg.adamw_lr * math.sqrt(128 / 16))
 
 
 def test_claim_preset_is_sized_to_the_question():
-  cfg = sweep.PRESETS["claim"]
-  (largest,) = sweep.phases_for(cfg, max(cfg.batches), 1.0)
+  cfg = presets.PRESETS["claim"]
+  (largest,) = presets.phases_for(cfg, max(cfg.batches), 1.0)
   assert largest.steps >= 150 and len(cfg.seeds) >= 3
   assert all(cfg.samples // b % cfg.evals == 0 for b in cfg.batches)
 
@@ -214,6 +213,26 @@ def test_trainer_same_result_for_any_micro_batch():
   assert len(out[0].trust_ratios["token_embed/embedding"]) == 2  # one per optimizer step
 
 
+def test_trainer_keeps_per_sequence_test_losses_and_relative_steps():
+  rng = np.random.default_rng(2)
+  stream, held, test = {12: _batch(rng, 64)}, {12: _batch(rng, 16)}, {12: _batch(rng, 24)}
+  phases = [schedules.Phase(16, 12, 4, 0.02, 1)]
+  trainer = train.Trainer(TINY, micro=8)
+  for family in ("lamb", "adamw"):
+    (res,) = trainer.run(family, [0.02], phases, stream, held, test=test, evals_per_phase=2)
+    # every test sequence has the same number of masked positions: the mean of the
+    # per-sequence losses is the test loss
+    assert len(res.test_per_sequence) == 24
+    assert np.mean(res.test_per_sequence) == pytest.approx(res.test[-1], rel=1e-5)
+    assert set(res.relative_steps) == set(res.trust_ratios or res.relative_steps)
+    steps = np.array(list(res.relative_steps.values()))
+    assert steps.shape == (len(res.relative_steps), 4) and np.all(steps[:, 1:] > 0)
+    if family == "lamb":  # the trust ratio makes every layer's step lr * ||p|| long
+      np.testing.assert_allclose(steps, np.broadcast_to(res.lr, steps.shape), rtol=1e-4)
+    else:  # Adam's step size relative to the layer's norm varies from layer to layer
+      assert np.ptp(steps[:, -1]) > 0.1 * steps[:, -1].max()
+
+
 def test_trainer_two_phases_rewarm_up():
   rng = np.random.default_rng(2)
   stream = {8: _batch(rng, 64, seq_len=8), 16: _batch(rng, 32, seq_len=16)}
@@ -337,133 +356,3 @@ def test_unigram_loss_is_the_frequency_cross_entropy():
   p = counts / counts.sum()
   want = -(np.log(p[5]) + np.log(p[6])) / 2
   assert data.unigram_loss(train_seqs, held, 8) == pytest.approx(want, rel=1e-12)
-
-
-# --- the sweep's protocol: tune on validation (first seed), report test over seeds ----------
-
-_TINY_SWEEP = sweep.SweepConfig(
-  name="tiny",
-  data="hmm",
-  batches=(16, 32),
-  samples=128,
-  lamb_lr=0.02,
-  adamw_lr=3e-3,
-  lamb_grid=(0.5, 1.0),
-  adamw_grid=(1.0, 2.0),
-  seeds=(0, 1),
-  evals=2,
-  eval_size=32,
-  model=model.BertConfig(vocab_size=69, hidden=16, layers=1, heads=2, mlp=32, max_len=32),
-)
-
-
-def _tuning_run(family, batch, factor, validation, test):
-  return {
-    "family": family, "batch": batch, "factor": factor, "seed": 0,
-    "validation": [9.0, validation], "test": [9.0, test],
-  }  # fmt: skip
-
-
-def test_choose_factors_uses_validation_not_test():
-  cfg = dataclasses.replace(_TINY_SWEEP, lamb_grid=(0.5, 1.0, 2.0), adamw_grid=(0.5, 1.0))
-  # (family, batch, factor): (validation, test); test ranks the other way round everywhere
-  losses = {
-    ("lamb", 16, 0.5): (1.0, 3.0), ("lamb", 16, 1.0): (2.0, 2.0), ("lamb", 16, 2.0): (None, 1.0),
-    ("lamb", 32, 0.5): (3.0, 1.0), ("lamb", 32, 1.0): (2.0, 2.0), ("lamb", 32, 2.0): (1.0, 3.0),
-    ("adamw", 16, 0.5): (2.0, 1.0), ("adamw", 16, 1.0): (1.0, 2.0),
-    ("adamw", 32, 0.5): (1.0, 2.0), ("adamw", 32, 1.0): (2.0, 1.0),
-  }  # fmt: skip
-  runs = [_tuning_run(*k, *v) for k, v in losses.items()]
-  runs.append({**_tuning_run("lamb", 32, 0.5, 0.0, 0.0), "seed": 1})  # other seeds don't tune
-  assert sweep.choose_factors(cfg, runs) == {
-    "LAMB": [2.0, 2.0],  # the best at the largest batch, sqrt-scaled down
-    "LAMB retuned": [0.5, 2.0],
-    "AdamW": [1.0, 1.0],  # the best at the smallest batch, sqrt-scaled up
-    "AdamW retuned": [1.0, 0.5],
-  }
-
-
-def test_summary_mean_spread_and_diverged_seeds():
-  cfg = dataclasses.replace(_TINY_SWEEP, batches=(16,), seeds=(0, 1, 2))
-  tests = {"lamb": [5.0, 5.2, None], "adamw": [4.0, 4.5, 4.1]}
-  runs = [
-    {"family": f, "batch": 16, "factor": 1.0, "seed": s, "steps": 8, "peak_lr": 0.1, "test": [t]}
-    for f, ts in tests.items()
-    for s, t in enumerate(ts)
-  ]
-  factors = {a: [1.0] for a in sweep.ARMS}
-  (row,) = sweep.summarize(
-    {"config": dataclasses.asdict(cfg), "runs": runs, "chosen_factors": factors}
-  )
-  assert row["LAMB"]["test"] == [5.0, 5.2, None] and row["LAMB"]["diverged"] == 1
-  assert row["LAMB"]["mean"] == pytest.approx(5.1)
-  assert row["LAMB"]["std"] == pytest.approx(np.std([5.0, 5.2], ddof=1))
-  assert row["AdamW retuned"]["mean"] == pytest.approx(np.mean(tests["adamw"]))
-  assert row["AdamW retuned"]["std"] == pytest.approx(np.std(tests["adamw"], ddof=1))
-  assert row["LAMB"]["at_grid_edge"]  # 1.0 is the top of the tiny lamb_grid (0.5, 1.0)
-  assert "5.100 ± 0.141 (1 diverged)" in sweep.format_cell(row["LAMB"])
-
-
-def test_epochs_visit_every_sequence_once_per_pass_with_fresh_masks():
-  seqs = np.arange(5, 15, dtype=np.int32)[:, None] + np.zeros((1, 20), np.int32)
-  out = sweep._epochs(seqs, 25, np.random.default_rng(0), mask_id=4, vocab_size=20)
-  firsts = np.take_along_axis(out.targets, np.zeros((25, 1), int), 1)[:, 0]
-  for p in range(2):
-    assert sorted(firsts[10 * p : 10 * p + 10]) == list(range(5, 15))
-  assert len(firsts) == 25
-  by_seq = {}
-  for row, pos in zip(firsts, out.positions, strict=True):
-    by_seq.setdefault(int(row), []).append(tuple(pos))
-  assert any(len(set(v)) > 1 for v in by_seq.values())  # re-masked on the second pass
-
-
-def test_eval_splits_do_not_depend_on_the_seed():
-  tr0, val0, test0, _ = sweep.load_data(_TINY_SWEEP, 0)
-  tr1, val1, test1, _ = sweep.load_data(_TINY_SWEEP, 1)
-  n = _TINY_SWEEP.seq_len
-  for a, b in ((val0, val1), (test0, test1)):
-    for x, y in zip(a[n], b[n], strict=True):
-      np.testing.assert_array_equal(x, y)
-  assert not np.array_equal(val0[n].inputs, test0[n].inputs)
-  assert not np.array_equal(tr0[n].inputs, tr1[n].inputs)
-
-
-def test_run_sweep_tunes_on_the_first_seed_and_reruns_the_choices():
-  res = sweep.run_sweep(_TINY_SWEEP, progress=False)
-  cfg, factors = _TINY_SWEEP, res["chosen_factors"]
-  first = [r for r in res["runs"] if r["seed"] == 0]
-  assert len(first) == len(cfg.batches) * (len(cfg.lamb_grid) + len(cfg.adamw_grid))
-  for j, b in enumerate(cfg.batches):
-    for family in ("lamb", "adamw"):
-      chosen = {factors[a][j] for a in sweep.ARMS if sweep.FAMILY[a] == family}
-      again = [r for r in res["runs"] if (r["seed"], r["family"], r["batch"]) == (1, family, b)]
-      assert sorted(r["factor"] for r in again) == sorted(chosen)
-  assert all(len(r["test"]) == len(r["validation"]) == cfg.evals for r in res["runs"])
-  for row in res["summary"]:
-    assert all(len(row[a]["test"]) == len(cfg.seeds) for a in sweep.ARMS)
-  assert sweep.format_table(res).count("\n|") == len(cfg.batches) + 1
-  # a wider grid reuses every run already made and trains only the new factor
-  wider = dataclasses.replace(cfg, adamw_grid=(0.5, *cfg.adamw_grid))
-  more = sweep.run_sweep(wider, progress=False, previous=res)
-  assert all(r in more["runs"] for r in res["runs"])
-  new = [r for r in more["runs"] if r not in res["runs"]]
-  assert {r["factor"] for r in new if r["seed"] == 0} == {0.5}
-  assert len(more["sessions"]) == 2
-
-
-def test_reuse_takes_only_runs_of_the_same_sweep_and_grid():
-  previous = {
-    "config": json.loads(json.dumps(dataclasses.asdict(_TINY_SWEEP))),
-    "runs": [
-      {"seed": 0, "family": "lamb", "factor": 0.5},
-      {"seed": 0, "family": "lamb", "factor": 4.0},  # not in the new grid
-      {"seed": 7, "family": "adamw", "factor": 1.0},  # not a seed of the new sweep
-      {"seed": 1, "family": "adamw", "factor": 2.0},
-    ],
-  }
-  wider = dataclasses.replace(_TINY_SWEEP, lamb_grid=(0.25, 0.5, 1.0))
-  assert sweep._reusable_runs(wider, previous) == [previous["runs"][0], previous["runs"][3]]
-  with pytest.raises(ValueError, match=r"differ from this sweep in \['samples'\]"):
-    sweep._reusable_runs(dataclasses.replace(wider, samples=256), previous)
-  with pytest.raises(ValueError, match="tuned on seed 0, not 1"):
-    sweep._reusable_runs(dataclasses.replace(wider, seeds=(1, 0)), previous)

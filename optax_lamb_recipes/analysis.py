@@ -1,0 +1,135 @@
+"""Statistics of the claim study (``study.json``): arm means with intervals, paired differences.
+
+Every run keeps its final model's loss on each test sequence, and LAMB and AdamW runs of one
+seed share the model's initialisation and the order and masks of the training data. A
+comparison is therefore paired twice: by seed and by test sequence. The intervals come from a
+two-level bootstrap that resamples both (seeds with replacement, then test sequences with
+replacement, the same draws for both arms of a difference), so they cover both the seed-to-seed
+spread and the sampling error of a finite test set.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from optax_lamb_recipes import report
+
+RESAMPLES = 4000
+LEVEL = 0.95
+
+
+def arms(results: dict) -> dict[str, list[float]]:
+  return results["tuning"]["chosen_factors"]
+
+
+def losses(results: dict, arm: str, batch: int) -> tuple[list[int], np.ndarray]:
+  """``(seeds, L)``: L[i, q] is the loss on test sequence q of the arm's run with seeds[i]."""
+  family = report.FAMILY[arm]
+  factor = arms(results)[arm][results["config"]["batches"].index(batch)]
+  at = sorted(
+    (
+      r
+      for r in results["runs"]
+      if (r["family"], r["batch"], r["factor"]) == (family, batch, factor)
+    ),
+    key=lambda r: r["seed"],
+  )
+  at = [r for r in at if r.get("test_per_sequence") is not None]
+  return [r["seed"] for r in at], np.array([r["test_per_sequence"] for r in at], float)
+
+
+def bootstrap(table: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+  """Mean of ``table[seed, sequence]`` and its two-level bootstrap interval at ``LEVEL``."""
+  n_seeds, n_seq = table.shape
+  rng = np.random.default_rng(seed)
+  seed_counts = _counts(rng.integers(0, n_seeds, (resamples, n_seeds)), n_seeds)
+  seq_counts = _counts(rng.integers(0, n_seq, (resamples, n_seq)), n_seq)
+  means = np.einsum("rs,sq,rq->r", seed_counts, table, seq_counts) / (n_seeds * n_seq)
+  lo, hi = np.quantile(means, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+  return {"mean": float(table.mean()), "low": float(lo), "high": float(hi), "seeds": n_seeds}
+
+
+def _counts(draws: np.ndarray, n: int) -> np.ndarray:
+  """How often each of ``n`` items was drawn in each resample (rows of ``draws``)."""
+  return np.stack([np.bincount(row, minlength=n) for row in draws]).astype(float)
+
+
+def arm_table(results: dict) -> dict[str, dict[int, dict]]:
+  """Arm -> batch -> mean final test loss with its interval."""
+  out = {}
+  for arm in arms(results):
+    out[arm] = {}
+    for b in results["config"]["batches"]:
+      seeds, table = losses(results, arm, b)
+      if len(seeds):
+        out[arm][b] = bootstrap(table) | {"seed_list": seeds}
+  return out
+
+
+def paired_differences(results: dict) -> dict[str, dict[int, dict]]:
+  """Protocol -> batch -> LAMB minus AdamW (negative: LAMB better), on the seeds both have."""
+  out = {}
+  for protocol in report.PROTOCOLS:
+    out[protocol] = {}
+    for b in results["config"]["batches"]:
+      s1, lamb = losses(results, report.arm_name("lamb", protocol), b)
+      s2, adamw = losses(results, report.arm_name("adamw", protocol), b)
+      common = sorted(set(s1) & set(s2))
+      if common:
+        diff = lamb[[s1.index(s) for s in common]] - adamw[[s2.index(s) for s in common]]
+        out[protocol][b] = bootstrap(diff) | {"seed_list": common}
+  return out
+
+
+def baseline(results: dict) -> float | None:
+  """The context-free (token frequency) test loss at the study's sequence length, if known."""
+  return (results["data"].get("unigram_loss") or {}).get(str(results["config"]["seq_len"]))
+
+
+def gain_kept(results: dict, table: dict | None = None) -> dict[str, dict[int, float]]:
+  """Arm -> batch -> (baseline - loss at B) / (baseline - loss at the smallest B), in [0, 1]."""
+  table = table or arm_table(results)
+  base, b_min = baseline(results), min(results["config"]["batches"])
+  return {
+    arm: {b: (base - c["mean"]) / (base - cells[b_min]["mean"]) for b, c in cells.items()}
+    for arm, cells in table.items()
+    if b_min in cells
+  }
+
+
+def _interval(c: dict) -> str:
+  return f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
+
+
+def format_report(results: dict) -> str:
+  """Markdown: the paired differences, then every arm's loss, with intervals and seed counts."""
+  batches = results["config"]["batches"]
+  diffs, table = paired_differences(results), arm_table(results)
+  head = "| protocol | " + " | ".join(f"B={b}" for b in batches) + " |"
+  rule = "|---|" + "---:|" * len(batches)
+  lines = ["LAMB minus AdamW, final test loss (nats; negative: LAMB better), mean [95% interval]:"]
+  lines += ["", head, rule]
+  for protocol, by_batch in diffs.items():
+    cells = [
+      _interval(by_batch[b]) + f" n={by_batch[b]['seeds']}" if b in by_batch else "-"
+      for b in batches
+    ]
+    lines.append(f"| {protocol} | " + " | ".join(cells) + " |")
+  lines += [
+    "",
+    "Final test loss per arm (nats), mean [95% interval]:",
+    "",
+    head.replace("protocol", "arm"),
+    rule,
+  ]
+  for arm, by_batch in table.items():
+    cells = [
+      f"{by_batch[b]['mean']:.3f} [{by_batch[b]['low']:.3f}, {by_batch[b]['high']:.3f}]"
+      if b in by_batch
+      else "-"
+      for b in batches
+    ]
+    lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+  if baseline(results) is not None:
+    lines.append(f"\nContext-free baseline (token frequencies): {baseline(results):.3f} nats")
+  return "\n".join(lines)

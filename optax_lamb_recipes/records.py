@@ -1,0 +1,81 @@
+"""Runs as JSON records, and the machine and times of the sessions that trained them."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import time
+
+import numpy as np
+
+
+def _thin(xs, n=100):
+  """At most ``n`` evenly spaced (index, value) pairs of a per-step series."""
+  idx = np.unique(np.linspace(0, len(xs) - 1, min(n, len(xs))).round().astype(int))
+  return idx.tolist(), [xs[i] for i in idx]
+
+
+def _finite_or_none(xs):
+  return [x if x is not None and math.isfinite(x) else None for x in xs]
+
+
+def final(run: dict, split: str) -> float:
+  """The last evaluation of ``split`` ("validation" or "test"); inf for a diverged run."""
+  x = run[split][-1]
+  return math.inf if x is None else x
+
+
+def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: bool) -> dict:
+  d = {
+    "seed": seed,
+    "family": res.family,
+    "batch": res.batch,
+    "factor": factor,
+    "peak_lr": res.peak_lr,
+    "steps": len(res.lr),
+    "samples": res.samples,
+    "validation": _finite_or_none(res.held_out),
+    "test": _finite_or_none(res.test),
+    "train": _finite_or_none(res.train),
+    "phase_ends": res.phase_ends,
+    "group_seconds": group_seconds,
+  }
+  d["lr_steps"], d["lr"] = _thin(res.lr)
+  if res.test_per_sequence is not None:  # 5 decimals: far below the bootstrap's resolution
+    d["test_per_sequence"] = [round(x, 5) for x in res.test_per_sequence]
+  if keep_ratios and res.trust_ratios is not None:
+    d["trust_ratios"] = {}
+    for k, v in res.trust_ratios.items():
+      d["trust_ratio_steps"], d["trust_ratios"][k] = _thin(v)
+  if keep_ratios and res.relative_steps is not None:
+    d["relative_steps"] = {}
+    for k, v in res.relative_steps.items():
+      d["relative_step_steps"], d["relative_steps"][k] = _thin(v)
+  return d
+
+
+def session(start: float) -> dict:
+  """Wall and CPU time of this process since ``start``, and the machine."""
+  return {
+    "wall_seconds": time.perf_counter() - start,
+    # CPU time of this process: with other jobs on the machine, wall time overstates the cost
+    "cpu_seconds": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
+    "machine": machine(),
+  }
+
+
+def machine() -> dict:
+  cpu = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return {
+    "platform": platform.platform(),
+    "cpu": cpu,
+    "cpus": os.cpu_count(),
+    "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+  }

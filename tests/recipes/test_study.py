@@ -1,0 +1,107 @@
+"""The claim study: which runs it trains, resuming, and its paired two-level bootstrap."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+
+from helpers.recipes import TINY_SWEEP
+
+from optax_lamb_recipes import analysis, report, study, sweep
+
+
+def test_bootstrap_means_are_the_resampled_tables_means():
+  table = np.random.default_rng(3).normal(size=(4, 50))
+  got = analysis.bootstrap(table, resamples=200, seed=7)
+  # the same draws, resampled the plain way: rows, then columns of those rows
+  rng = np.random.default_rng(7)
+  rows, cols = rng.integers(0, 4, (200, 4)), rng.integers(0, 50, (200, 50))
+  means = [table[np.ix_(r, c)].mean() for r, c in zip(rows, cols, strict=True)]
+  lo, hi = np.quantile(means, [0.025, 0.975])
+  assert (got["low"], got["high"]) == pytest.approx((lo, hi), rel=1e-12)
+  assert got["mean"] == pytest.approx(table.mean()) and got["seeds"] == 4
+
+
+def test_bootstrap_interval_has_the_width_of_the_sampling_error():
+  sigma, n = 2.0, 4000  # one seed: only the test sequences vary
+  table = np.random.default_rng(0).normal(5.0, sigma, (1, n))
+  got = analysis.bootstrap(table)
+  assert got["high"] - got["low"] == pytest.approx(2 * 1.96 * sigma / np.sqrt(n), rel=0.1)
+  assert got["low"] < 5.0 < got["high"]
+
+
+def _results_with(lamb: np.ndarray, adamw: np.ndarray) -> dict:
+  """A study of one batch whose arms all report the tables ``lamb`` and ``adamw`` [seed, seq]."""
+  runs = [
+    {"family": fam, "batch": 16, "factor": 1.0, "seed": s, "test_per_sequence": row.tolist()}
+    for fam, table in (("lamb", lamb), ("adamw", adamw))
+    for s, row in enumerate(table)
+  ]
+  factors = {arm: [1.0] for arm in report.ARMS}
+  data = {"unigram_loss": {"32": 6.0}}
+  config = {"batches": [16], "seq_len": 32}
+  return {"config": config, "data": data, "runs": runs, "tuning": {"chosen_factors": factors}}
+
+
+def test_paired_difference_is_lamb_minus_adamw_and_pairing_removes_shared_noise():
+  rng = np.random.default_rng(1)
+  shared = rng.normal(0, 1.0, (5, 1)) + rng.normal(0, 1.0, (1, 300))  # seed and sequence effects
+  lamb = shared + 5.0 + rng.normal(0, 0.01, (5, 300))
+  adamw = shared + 5.1 + rng.normal(0, 0.01, (5, 300))
+  results = _results_with(lamb, adamw)
+  diff = analysis.paired_differences(results)["tuned at B_min"][16]
+  assert diff["low"] < -0.1 < diff["high"] and diff["high"] < 0
+  assert diff["high"] - diff["low"] < 0.01  # the shared effects cancel
+  per_arm = analysis.arm_table(results)[report.arm_name("lamb", "tuned at B_min")][16]
+  assert per_arm["high"] - per_arm["low"] > 0.5  # unpaired, they do not
+
+
+def test_gain_kept_is_the_share_of_the_smallest_batchs_gain_over_the_baseline():
+  results = _results_with(np.full((2, 3), 5.0), np.full((2, 3), 5.5))
+  results["config"]["batches"] = [16, 64]
+  results["runs"] += [{**r, "batch": 64, "test_per_sequence": [5.5] * 3} for r in results["runs"]]
+  for arm in report.ARMS:
+    results["tuning"]["chosen_factors"][arm] = [1.0, 1.0]
+  kept = analysis.gain_kept(results)
+  assert kept[report.arm_name("lamb", "retuned per batch")] == {16: 1.0, 64: 0.5}
+  assert kept[report.arm_name("adamw", "retuned per batch")] == {16: 1.0, 64: 1.0}
+
+
+def test_cells_train_every_arms_factor_and_extra_seeds_at_the_edges_only():
+  factors = {arm: [1.0, 2.0, 4.0] for arm in report.ARMS}
+  factors[report.arm_name("lamb", "tuned at B_max")] = [4.0, 4.0, 4.0]
+  cfg = study.StudyConfig(name="t", tuning="", seeds=(0,), extra_seeds=(5,))
+  got = study.cells(cfg, [16, 32, 64], factors)
+  assert got[0][("lamb", 16)] == [1.0, 4.0] and got[0][("adamw", 32)] == [2.0]
+  assert sorted(got[5]) == [("adamw", 16), ("adamw", 64), ("lamb", 16), ("lamb", 64)]
+
+
+def test_study_resumes_and_reproduces_runs_bit_for_bit(tmp_path):
+  tuning = json.loads(json.dumps(sweep.run_sweep(TINY_SWEEP, progress=False)))
+  cfg = study.StudyConfig(name="t", tuning="", seeds=(0,), extra_seeds=(1,))
+  out = str(tmp_path / "study.json")
+  first = study.run_study(cfg, tuning, out=out)
+  with open(out) as f:
+    assert json.load(f)["runs"] == json.loads(json.dumps(first["runs"]))
+  keys = [(r["seed"], r["family"], r["batch"], r["factor"]) for r in first["runs"]]
+  assert len(keys) == len(set(keys)) and {k[0] for k in keys} == {0, 1}
+  # a study killed after some groups: the next call trains only what is missing
+  kept = dataclasses.replace(cfg)  # same study
+  partial = {**first, "runs": first["runs"][:2]}
+  again = study.run_study(kept, tuning, out=out, previous=partial)
+  assert again["runs"][:2] == first["runs"][:2]
+  by_key = lambda runs: {(r["seed"], r["family"], r["batch"], r["factor"]): r for r in runs}
+  redone, orig = by_key(again["runs"]), by_key(first["runs"])
+  assert redone.keys() == orig.keys()
+  for k in orig:  # same seeds, same data order: the same losses on every test sequence
+    assert redone[k]["test_per_sequence"] == orig[k]["test_per_sequence"], k
+  assert len(again["sessions"]) == len(first["sessions"]) + 1
+  # seed 0's runs of the study are the tuning sweep's runs, trained again (in groups of other
+  # sizes: vmap over another number of learning rates may round differently in the last bits)
+  tuned = by_key(tuning["runs"])
+  for k, r in orig.items():
+    if k[0] == 0:
+      np.testing.assert_allclose(r["test"], tuned[k]["test"], rtol=1e-5, err_msg=str(k))
