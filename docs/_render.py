@@ -1,7 +1,10 @@
-"""Markdown tables rendered from the committed benchmark results (`benchmarks/results/*.json`).
+"""Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`) and the
+recipe's claim study (`notebooks/results/study.json`).
 
-The docs build writes `benchmark_tables` into the benchmarks page; the README's
-headline figures are the `headline` block, which a test keeps equal to this render.
+The docs build writes `benchmark_tables` into the benchmarks page. The README and
+`docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
+`<!-- end NAME -->` markers; `python -m docs._render` rewrites them, and a test keeps them
+equal to a fresh render.
 """
 
 from __future__ import annotations
@@ -101,24 +104,57 @@ def headline(results_dir: str) -> str:
   return "\n".join(rows)
 
 
-README_MARKERS = (
-  "<!-- headline figures: python -m docs._render -->",
-  "<!-- end headline figures -->",
-)
+def study_summary(study_path: str) -> str:
+  """The README's lines on the claim study: the paired differences and where they come from."""
+  from optax_lamb_recipes import analysis
+
+  results = _load(study_path)
+  return (
+    analysis.format_differences(results)
+    + f"\n\n{analysis.format_compute(results)} (`notebooks/results/{os.path.basename(study_path)}`)."
+  )
 
 
-def readme_with_headline(readme: str, results_dir: str) -> str:
-  """`readme` with the text between the markers replaced by `headline` (a new render)."""
-  start, end = README_MARKERS
-  head, rest = readme.split(start)
+def study_report(study_path: str) -> str:
+  """docs/recipe.md's tables: the paired differences, each arm's loss, the compute."""
+  from optax_lamb_recipes import analysis
+
+  results = _load(study_path)
+  return analysis.format_report(results) + f"\n\n{analysis.format_compute(results)}."
+
+
+def _blocks(root: str) -> dict[str, dict[str, str]]:
+  """File -> block name -> its content, rendered now from the committed results."""
+  results = os.path.join(root, "benchmarks", "results")
+  study = os.path.join(root, "notebooks", "results", "study.json")
+  return {
+    "README.md": {"headline figures": headline(results), "recipe study": study_summary(study)},
+    os.path.join("docs", "recipe.md"): {"recipe study": study_report(study)},
+  }
+
+
+def with_block(text: str, name: str, content: str) -> str:
+  """``text`` with the lines between the block's two markers replaced by ``content``."""
+  start, end = f"<!-- {name}: python -m docs._render -->", f"<!-- end {name} -->"
+  head, rest = text.split(start)
   _, tail = rest.split(end)
-  return f"{head}{start}\n{headline(results_dir)}\n{end}{tail}"
+  return f"{head}{start}\n{content}\n{end}{tail}"
 
 
-if __name__ == "__main__":  # rewrite the README's headline figures from the committed results
+def rendered(root: str) -> dict[str, str]:
+  """File -> its text with every block rendered from the committed results."""
+  out = {}
+  for name, blocks in _blocks(root).items():
+    with open(os.path.join(root, name)) as f:
+      text = f.read()
+    for block, content in blocks.items():
+      text = with_block(text, block, content)
+    out[name] = text
+  return out
+
+
+if __name__ == "__main__":  # rewrite the rendered blocks of the README and the docs
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  path = os.path.join(root, "README.md")
-  with open(path) as f:
-    text = readme_with_headline(f.read(), os.path.join(root, "benchmarks", "results"))
-  with open(path, "w") as f:
-    f.write(text)
+  for name, text in rendered(root).items():
+    with open(os.path.join(root, name), "w") as f:
+      f.write(text)

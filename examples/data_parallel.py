@@ -99,19 +99,24 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
+def join_cluster(coordinator: str, num_processes: int, process_id: int, timeout: int = 120):
+  """``jax.distributed.initialize``, with CPU collectives over gloo where the option exists."""
+  try:  # gloo is the default CPU collectives on recent jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except (AttributeError, KeyError, ValueError):
+    pass
+  jax.distributed.initialize(
+    coordinator_address=coordinator,
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=timeout,
+  )
+
+
 def main(argv=None):
   args = parse_args(argv)
   if args.coordinator is not None:
-    try:  # CPU collectives across processes (gloo is the default on recent jax)
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except (AttributeError, KeyError, ValueError):
-      pass
-    jax.distributed.initialize(
-      coordinator_address=args.coordinator,
-      num_processes=args.num_processes,
-      process_id=args.process_id,
-      initialization_timeout=120,
-    )
+    join_cluster(args.coordinator, args.num_processes, args.process_id)
   params = train(args)
   if args.save and jax.process_index() == 0:
     np.savez(args.save, **params)

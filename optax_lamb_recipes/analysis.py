@@ -101,35 +101,60 @@ def _interval(c: dict) -> str:
   return f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
 
 
-def format_report(results: dict) -> str:
-  """Markdown: the paired differences, then every arm's loss, with intervals and seed counts."""
+def _row(label: str, by_batch: dict, batches, cell) -> str:
+  return (
+    f"| {label} | "
+    + " | ".join(cell(by_batch[b]) if b in by_batch else "-" for b in batches)
+    + " |"
+  )
+
+
+def format_differences(results: dict) -> str:
+  """Markdown: LAMB minus AdamW per protocol and batch, mean [95% interval] and seed count."""
   batches = results["config"]["batches"]
-  diffs, table = paired_differences(results), arm_table(results)
-  head = "| protocol | " + " | ".join(f"B={b}" for b in batches) + " |"
-  rule = "|---|" + "---:|" * len(batches)
-  lines = ["LAMB minus AdamW, final test loss (nats; negative: LAMB better), mean [95% interval]:"]
-  lines += ["", head, rule]
-  for protocol, by_batch in diffs.items():
-    cells = [
-      _interval(by_batch[b]) + f" n={by_batch[b]['seeds']}" if b in by_batch else "-"
-      for b in batches
-    ]
-    lines.append(f"| {protocol} | " + " | ".join(cells) + " |")
-  lines += [
+  cell = lambda c: _interval(c) + f" n={c['seeds']}"
+  lines = [
+    "LAMB minus AdamW, final test loss (nats; negative: LAMB better), mean [95% interval], "
+    "n seeds:",
     "",
+    "| both tuned | " + " | ".join(f"B={b}" for b in batches) + " |",
+    "|---|" + "---:|" * len(batches),
+  ]
+  lines += [_row(p, d, batches, cell) for p, d in paired_differences(results).items()]
+  return "\n".join(lines)
+
+
+def format_arms(results: dict) -> str:
+  """Markdown: each arm's final test loss per batch, mean [95% interval]."""
+  batches = results["config"]["batches"]
+  cell = lambda c: f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
+  lines = [
     "Final test loss per arm (nats), mean [95% interval]:",
     "",
-    head.replace("protocol", "arm"),
-    rule,
+    "| arm | " + " | ".join(f"B={b}" for b in batches) + " |",
+    "|---|" + "---:|" * len(batches),
   ]
-  for arm, by_batch in table.items():
-    cells = [
-      f"{by_batch[b]['mean']:.3f} [{by_batch[b]['low']:.3f}, {by_batch[b]['high']:.3f}]"
-      if b in by_batch
-      else "-"
-      for b in batches
-    ]
-    lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+  lines += [_row(arm, d, batches, cell) for arm, d in arm_table(results).items()]
   if baseline(results) is not None:
     lines.append(f"\nContext-free baseline (token frequencies): {baseline(results):.3f} nats")
   return "\n".join(lines)
+
+
+def format_compute(results: dict) -> str:
+  """One sentence: runs, wall and CPU time, sessions, machine, the tuning grid's size."""
+  sessions = results["sessions"]
+  m = sessions[-1]["machine"]
+  dates = sorted({s["date"] for s in sessions if s.get("date")})
+  when = f", {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else ""
+  trials = results["tuning"]["trials_per_batch"]
+  return (
+    f"{len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall and "
+    f"{results['cpu_seconds'] / 60:.0f} min CPU in {len(sessions)} session(s) on {m['cpus']} "
+    f"CPUs ({m['cpu']}){when}; learning rates from a grid of {trials['lamb']} (LAMB) and "
+    f"{trials['adamw']} (AdamW) factors per batch, seed 0, validation split"
+  )
+
+
+def format_report(results: dict) -> str:
+  """Markdown: the paired differences, then every arm's loss, with intervals and seed counts."""
+  return format_differences(results) + "\n\n" + format_arms(results)

@@ -27,7 +27,7 @@ def _batch_colours(batches):
   return {b: cmap(i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
 
 
-def _arm_runs(results: dict, arm: str, batch: int) -> list[dict]:
+def arm_runs(results: dict, arm: str, batch: int) -> list[dict]:
   """The runs (one per seed) an arm reports at ``batch``."""
   factors = results.get("chosen_factors") or results["tuning"]["chosen_factors"]
   factor = factors[arm][results["config"]["batches"].index(batch)]
@@ -86,7 +86,9 @@ def loss_vs_samples(results: dict, ax, arms=None) -> None:
   colour = _batch_colours(batches)
   for b in batches:
     for arm in arms:
-      runs = _arm_runs(results, arm, b)
+      runs = arm_runs(results, arm, b)
+      if not runs:  # a study still under way
+        continue
       y = np.nanmean([[np.nan if h is None else h for h in r["test"]] for r in runs], axis=0)
       ax.plot(runs[0]["samples"][1:], y[1:], arm_style(arm)["ls"], color=colour[b])
   _baseline_lines(results, ax)
@@ -111,35 +113,30 @@ def per_layer(run: dict, key: str, ax, colour, label: str) -> None:
   ax.plot(np.asarray(steps) / max(steps[-1], 1), med, color=colour, label=label)
 
 
-def trust_ratios_by_batch(results: dict, ax, batches=None) -> None:
-  """LAMB's trust ratios (median and range over the layers) at several batch sizes."""
-  batches = batches or results["config"]["batches"]
-  colour = _batch_colours(results["config"]["batches"])
-  arm = report.arm_name("lamb", "tuned at B_min")
-  for b in batches:
-    run = next((r for r in _arm_runs(results, arm, b) if "trust_ratios" in r), None)
-    if run is not None:
-      per_layer(run, "trust_ratios", ax, colour[b], f"B={b}")
-  ax.set_yscale("log")
-  ax.set_xlabel("fraction of training")
-  ax.set_ylabel("trust ratio ||p|| / ||u||")
-  ax.set_title("LAMB: trust ratio per layer (line: median over layers, band: range)")
-  ax.legend(fontsize=8)
+PER_LAYER = {
+  "trust_ratios": ("trust ratio ||p|| / ||u||", "{name}: trust ratio per layer (median, range)"),
+  "relative_steps": ("||dp|| / ||p|| per step", "{name}: relative step per layer (median, range)"),
+}
 
 
-def relative_steps_by_batch(results: dict, ax, family: str, batches=None) -> None:
-  """``||dp|| / ||p||`` per layer (median and range) at several batch sizes, for one optimizer."""
+def per_layer_by_batch(results: dict, ax, family: str, key: str, batches=None) -> None:
+  """``key`` per layer (line: median over the decayed layers, band: range) at several batches.
+
+  ``key``: ``"trust_ratios"`` (LAMB) or ``"relative_steps"`` (``||dp|| / ||p||``, both
+  optimizers); the arm tuned at B_min, seed 0.
+  """
   batches = batches or results["config"]["batches"]
   colour = _batch_colours(results["config"]["batches"])
   arm = report.arm_name(family, "tuned at B_min")
   for b in batches:
-    run = next((r for r in _arm_runs(results, arm, b) if "relative_steps" in r), None)
+    run = next((r for r in arm_runs(results, arm, b) if key in r), None)
     if run is not None:
-      per_layer(run, "relative_steps", ax, colour[b], f"B={b}")
+      per_layer(run, key, ax, colour[b], f"B={b}")
+  ylabel, title = PER_LAYER[key]
   ax.set_yscale("log")
   ax.set_xlabel("fraction of training")
-  ax.set_ylabel("||dp|| / ||p|| per step")
-  ax.set_title(f"{report.OPTIMIZERS[family]}: relative step per layer (median, range)")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title.format(name=report.OPTIMIZERS[family]))
   ax.legend(fontsize=8)
 
 
@@ -149,7 +146,10 @@ def schedules(results: dict, ax, arm=None) -> None:
   batches = results["config"]["batches"]
   colour = _batch_colours(batches)
   for b in batches:
-    r = _arm_runs(results, arm, b)[0]
+    runs = arm_runs(results, arm, b)
+    if not runs:
+      continue
+    r = runs[0]
     ax.plot(np.asarray(r["lr_steps"]) * b, r["lr"], color=colour[b], label=f"B={b}")
   ax.set_xlabel("training sequences seen")
   ax.set_ylabel("learning rate")
@@ -164,7 +164,7 @@ def sweep_figure(results: dict, path: str | None = None):
   fig, axes = plt.subplots(2, 2, figsize=(13, 9))
   final_loss_vs_batch(results, axes[0, 0])
   loss_vs_samples(results, axes[0, 1])
-  trust_ratios_by_batch(results, axes[1, 0])
+  per_layer_by_batch(results, axes[1, 0], "lamb", "trust_ratios")
   schedules(results, axes[1, 1])
   fig.suptitle(
     f"BERT large-batch recipe, '{results['config']['name']}' preset: {results['data']['source']}"
@@ -189,6 +189,22 @@ def paired_differences(results: dict, ax) -> None:
   _log2_batches(ax, results["config"]["batches"])
   ax.set_ylabel("LAMB − AdamW, final test loss (nats)")
   ax.set_title("Paired by seed and test sequence; below 0: LAMB better (95% bootstrap interval)")
+  ax.legend(fontsize=8)
+
+
+def arm_losses(results: dict, ax) -> None:
+  """Each arm's final test loss against batch size, with its 95% bootstrap interval (study)."""
+  table = analysis.arm_table(results)
+  for k, (arm, by_batch) in enumerate(table.items()):
+    bs = sorted(by_batch)
+    mean = np.array([by_batch[b]["mean"] for b in bs])
+    err = [mean - [by_batch[b]["low"] for b in bs], [by_batch[b]["high"] for b in bs] - mean]
+    x = np.array(bs, float) * 1.025 ** (k - 2.5)
+    ax.errorbar(x, mean, yerr=err, label=arm, capsize=2, ms=4, **arm_style(arm))
+  _baseline_lines(results, ax)
+  _log2_batches(ax, results["config"]["batches"])
+  ax.set_ylabel("final test MLM loss (nats)")
+  ax.set_title("Each arm (mean over seeds, 95% bootstrap interval)")
   ax.legend(fontsize=8)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import platform
@@ -63,6 +64,7 @@ def session(start: float) -> dict:
     # CPU time of this process: with other jobs on the machine, wall time overstates the cost
     "cpu_seconds": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
     "machine": machine(),
+    "date": datetime.date.today().isoformat(),
   }
 
 

@@ -104,11 +104,10 @@ def test_python_blocks_of_a_page_run_in_order(page):
       assert all(bool(jax.numpy.isfinite(x).all()) for x in jax.tree.leaves(out))
 
 
-def test_readme_figures_are_rendered_from_the_committed_results():
+def test_readme_and_recipe_numbers_are_rendered_from_the_committed_results():
   spec = importlib.util.spec_from_file_location("_render", os.path.join(ROOT, "docs", "_render.py"))
   render = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(render)
-  with open(os.path.join(ROOT, "README.md")) as f:
-    readme = f.read()
-  results = os.path.join(ROOT, "benchmarks", "results")
-  assert render.readme_with_headline(readme, results) == readme, "run: python -m docs._render"
+  for name, text in render.rendered(ROOT).items():
+    with open(os.path.join(ROOT, name)) as f:
+      assert f.read() == text, f"{name}: run python -m docs._render"

@@ -25,8 +25,11 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 import dp_problem as prob  # noqa: E402
+from data_parallel import join_cluster  # noqa: E402  (the example's own cluster set-up)
 
 
 def global_array(value, mesh, spec):
@@ -98,16 +101,7 @@ def main(argv=None):
   parser.add_argument("--out", required=True, help="npz file for this process's results")
   args = parser.parse_args(argv)
 
-  try:  # gloo is the default CPU collectives on recent jax; set it where the option exists
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  except (AttributeError, KeyError, ValueError):
-    pass
-  jax.distributed.initialize(
-    coordinator_address=args.coordinator,
-    num_processes=args.num_processes,
-    process_id=args.process_id,
-    initialization_timeout=60,
-  )
+  join_cluster(args.coordinator, args.num_processes, args.process_id, timeout=60)
   try:
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
     results = {"jit": train_jit(mesh, args.steps), "shard_map": train_shard_map(mesh, args.steps)}
