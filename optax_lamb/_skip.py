@@ -1,4 +1,4 @@
-"""Skipping steps whose gradients hold a NaN or an Inf."""
+"""Skipping steps whose gradients (or, on request, results) hold a NaN or an Inf."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def skip_nonfinite(
   *,
   axis_name: Any = None,
   max_consecutive_errors: int | None = None,
+  check_results: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  """Skip every step whose gradients hold a NaN or an Inf.
+  """Skip every step whose gradients hold a NaN or an Inf (or, on request, whose results would).
 
   On such a step the updates are zero and the wrapped state is returned as it was
   (moments, step count, trust ratios, master weights), so the parameters do not
@@ -65,6 +66,12 @@ def skip_nonfinite(
       this many steps in a row were non-finite, such steps are applied (NaNs and
       Infs let through) until a finite one resets the count; None (the default):
       never, watch ``skip_counts(state).consecutive`` and stop the run yourself.
+    check_results: also skip (and count) a step with finite gradients whose
+      updates or new state (moments, master weights) would not be finite: a
+      gradient of 1e20, say, whose square overflows the second moment for good.
+      The step is then computed before the choice, so the old and the new state
+      are alive together: about one more state's worth of memory at the peak
+      (docs/faults.md gives the measured cost). Off by default.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
@@ -73,6 +80,7 @@ def skip_nonfinite(
   _check_args.check_axis_name("axis_name", axis_name)
   if max_consecutive_errors is not None:
     _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
+  _check_args.check_bool("check_results", check_results)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -90,6 +98,8 @@ def skip_nonfinite(
         "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
         + _check_state.RESTORE_HINT
       )
+    if check_results:
+      return _update_checking_results(updates, state, params, extra_args)
     finite = all_finite(updates, axis_name)
     consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
     take = finite
@@ -108,13 +118,33 @@ def skip_nonfinite(
     new_updates, new_inner = jax.lax.cond(
       take, apply, skip, updates, state.inner_state, params, arrays
     )
-    return new_updates, SkipNonFiniteState(
-      total=jnp.where(finite, state.total, optax.safe_increment(state.total)),
-      consecutive=consecutive,
-      inner_state=new_inner,
+    return new_updates, _counted(state, finite, consecutive, new_inner)
+
+  def _update_checking_results(updates, state, params, extra_args):
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    finite = all_finite((updates, new_updates, new_inner), axis_name)
+    consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
+    take = finite
+    if max_consecutive_errors is not None:
+      take = jnp.logical_or(finite, consecutive > max_consecutive_errors)
+    new_updates, new_inner = jax.lax.cond(
+      take,
+      lambda taken, kept: taken,
+      lambda taken, kept: (optax.tree.zeros_like(taken[0]), kept),
+      (new_updates, new_inner),
+      state.inner_state,
     )
+    return new_updates, _counted(state, finite, consecutive, new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNonFiniteState:
+  return SkipNonFiniteState(
+    total=jnp.where(finite, state.total, optax.safe_increment(state.total)),
+    consecutive=consecutive,
+    inner_state=new_inner,
+  )
 
 
 def skip_counts(opt_state: Any) -> SkipCounts:

@@ -176,6 +176,7 @@ CASES = [
       (ValueError, dict(max_consecutive_errors=-1)),
       (TypeError, dict(max_consecutive_errors=1.5)),
       (TypeError, dict(max_consecutive_errors=True)),
+      (TypeError, dict(check_results="yes")),
     ]
   ),
   case(

@@ -365,3 +365,27 @@ def test_max_consecutive_errors_as_optax_apply_if_finite(cap, rng):
     counts = optax_lamb.skip_counts(ours_state)
     assert int(counts.consecutive) == int(theirs_state.notfinite_count)
     assert int(counts.total) == int(theirs_state.total_notfinite)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+def test_check_results_skips_a_finite_step_that_would_overflow_the_moments(implementation, rng):
+  """A finite gradient of 1e20: its square overflows nu. Checking the gradients lets it through
+  (nu is inf for good, as optax.lamb does); checking the results skips and counts it."""
+  params = make_params(rng)
+  grads = make_grads(rng)
+  huge = {**grads, "w": grads["w"].at[0, 0].set(1e20)}
+  lamb = optax_lamb.lamb(1e-2, implementation=implementation)
+  for check, skipped in ((False, 0), (True, 1)):
+    tx = optax_lamb.skip_nonfinite(lamb, check_results=check)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(huge, state, params)
+    leaves = jax.tree.leaves(state.inner_state)
+    assert int(optax_lamb.skip_counts(state).total) == skipped
+    if check:  # the state is the one before the step, and the params do not move
+      assert_trees_equal(state.inner_state, tx.init(params).inner_state)
+      np.testing.assert_array_equal(np.asarray(updates["w"]), 0)
+    else:
+      assert not all(bool(jnp.isfinite(x).all()) for x in leaves), "nu should overflow"
+    # the next, ordinary step is taken either way
+    _, state = jax.jit(tx.update)(grads, state, params)
+    assert int(optax_lamb.skip_counts(state).consecutive) == 0
