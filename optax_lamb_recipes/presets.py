@@ -61,9 +61,9 @@ PRESETS = {
     lamb_lr=0.08,  # pilot: best of 0.01-0.16 at B=512 and, scaled, of 0.0018-0.028 at B=16
     adamw_lr=2e-3,  # pilot: best of 5e-4-4e-3 at B=16
   ),
-  # Sized to the question: >= 150 steps at B=512, three seeds, 11 learning rates per batch.
-  # (The grids first stopped at 0.5 and 0.25, then at 0.25 and 0.125: each time an arm chose
-  # its lowest factor, a lower one was added, reusing the runs already made: --reuse.)
+  # The claim study's tuning grid (study.py reads its results): >= 150 steps at B=512, 11
+  # learning rates per batch. (The grids first stopped at 0.5 and 0.25, then at 0.25 and
+  # 0.125: each time an arm chose its lowest factor, a lower one was added, with --reuse.)
   "claim": SweepConfig(
     name="claim",
     data="kjv",

@@ -249,22 +249,23 @@ def test_kernels_lower_to_triton_for_cuda(fused_apply, seed):
 
 
 def test_many_small_leaves_take_a_few_launches():
-  """1,000 leaves: the kernels, and no per-leaf operation between them."""
-  params = {f"w{i:04d}": jnp.ones((40,)) for i in range(1000)}
+  """Many leaves: the kernels, and no per-leaf operation between them."""
+  n = 500  # 16 launches per pass of 32 leaves
+  params = {f"w{i:04d}": jnp.ones((40,)) for i in range(n)}
   tx = optax_lamb.lamb(LR, weight_decay=0.01, implementation=COMPILED)
   step = lambda p, s, g: optax_lamb.update_and_apply(tx, g, s, p)
   hlo = _lower_for_cuda(step, params, tx.init(params), params, donate=(0, 1))
   per_launch = BLOCK_SIZES.max_leaves_per_call
-  assert len(_triton_calls(hlo)) == 2 * -(-1000 // per_launch) + 1
+  assert len(_triton_calls(hlo)) == 2 * -(-n // per_launch) + 1
   main = hlo[hlo.index("func.func public @main") :]
   main = main[: main.index("\n  }")]
   ops = re.findall(r"^\s+%\S+ = \"?([a-z_.]+(?: @\w+)?)", main, re.M)
   ops = [re.sub(r"_\d+$", "", op) for op in ops]
   wrappers = ("call @moments_and_norms", "call @slice_sums", "call @updates")
-  assert sum(op in wrappers for op in ops) == 2 * -(-1000 // per_launch) + 1  # the launches
+  assert sum(op in wrappers for op in ops) == 2 * -(-n // per_launch) + 1  # the launches
   # between the launches: the scalars, the concatenated partial sums, the ratios (no per-leaf op)
   others = [op for op in ops if op not in wrappers]
-  assert len(others) < 1000 / 5, collections.Counter(others)
+  assert len(others) < n / 2, collections.Counter(others)  # a per-leaf op would add n
 
 
 def test_leaf_over_two_gigabytes_lowers_for_cuda():
