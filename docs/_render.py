@@ -111,6 +111,8 @@ def study_summary(study_path: str) -> str:
   results = _load(study_path)
   return (
     analysis.format_differences(results)
+    + "\n\nAt 95%: "
+    + " ".join(analysis.findings(results))
     + f"\n\n{analysis.format_compute(results)} (`notebooks/results/{os.path.basename(study_path)}`)."
   )
 

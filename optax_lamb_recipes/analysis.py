@@ -155,6 +155,24 @@ def format_compute(results: dict) -> str:
   )
 
 
+def findings(results: dict) -> list[str]:
+  """Per protocol, one sentence: the batches where the interval of LAMB minus AdamW is below
+  zero (LAMB better), above zero (AdamW better), or spans it."""
+  out = []
+  for protocol, by_batch in paired_differences(results).items():
+    parts = []
+    for label, keep in (
+      ("LAMB better", lambda d: d["high"] < 0),
+      ("AdamW better", lambda d: d["low"] > 0),
+      ("no difference resolved", lambda d: d["low"] <= 0 <= d["high"]),
+    ):
+      batches = [str(b) for b, d in by_batch.items() if keep(d)]
+      if batches:
+        parts.append(f"{label} at B={', '.join(batches)}")
+    out.append(f"Both {protocol}: " + "; ".join(parts) + ".")
+  return out
+
+
 def format_report(results: dict) -> str:
   """Markdown: the paired differences, then every arm's loss, with intervals and seed counts."""
   return format_differences(results) + "\n\n" + format_arms(results)

@@ -105,3 +105,24 @@ def test_study_resumes_and_reproduces_runs_bit_for_bit(tmp_path):
   for k, r in orig.items():
     if k[0] == 0:
       np.testing.assert_allclose(r["test"], tuned[k]["test"], rtol=1e-5, err_msg=str(k))
+
+
+def test_findings_name_the_batches_by_the_side_of_zero_their_interval_lies_on():
+  rng = np.random.default_rng(4)
+  noise = rng.normal(0, 0.01, (3, 200))
+  results = _results_with(5.0 + noise, 5.2 + noise)
+  results["config"]["batches"] = [16, 64, 256]
+  wide = rng.normal(0, 1.0, (3, 200))
+  more = {64: (5.2 + noise, 5.0 + noise), 256: (5.0 + wide, 5.0 + wide[::-1])}
+  for b, (lamb, adamw) in more.items():
+    for fam, table in (("lamb", lamb), ("adamw", adamw)):
+      results["runs"] += [
+        {"family": fam, "batch": b, "factor": 1.0, "seed": s, "test_per_sequence": row.tolist()}
+        for s, row in enumerate(table)
+      ]
+  for arm in report.ARMS:
+    results["tuning"]["chosen_factors"][arm] = [1.0] * 3
+  for line in analysis.findings(results):
+    assert line.endswith(
+      "LAMB better at B=16; AdamW better at B=64; no difference resolved at B=256."
+    ), line
