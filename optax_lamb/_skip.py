@@ -101,10 +101,7 @@ def skip_nonfinite(
     if check_results:
       return _update_checking_results(updates, state, params, extra_args)
     finite = all_finite(updates, axis_name)
-    consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
-    take = finite
-    if max_consecutive_errors is not None:
-      take = jnp.logical_or(finite, consecutive > max_consecutive_errors)
+    consecutive, take = _decide(finite, state)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
 
@@ -120,13 +117,17 @@ def skip_nonfinite(
     )
     return new_updates, _counted(state, finite, consecutive, new_inner)
 
+  def _decide(finite, state):
+    """The new count of non-finite steps in a row, and whether this step is applied."""
+    consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
+    if max_consecutive_errors is None:
+      return consecutive, finite
+    return consecutive, jnp.logical_or(finite, consecutive > max_consecutive_errors)
+
   def _update_checking_results(updates, state, params, extra_args):
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     finite = all_finite((updates, new_updates, new_inner), axis_name)
-    consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
-    take = finite
-    if max_consecutive_errors is not None:
-      take = jnp.logical_or(finite, consecutive > max_consecutive_errors)
+    consecutive, take = _decide(finite, state)
     new_updates, new_inner = jax.lax.cond(
       take,
       lambda taken, kept: taken,
