@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -55,6 +56,14 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
     for k, v in res.relative_steps.items():
       d["relative_step_steps"], d["relative_steps"][k] = _thin(v)
   return d
+
+
+def write_json(results: dict, path: str) -> None:
+  """Replace ``path`` in one step, so that a killed run leaves the previous file whole."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(results, f)
+  os.replace(tmp, path)
 
 
 def session(start: float) -> dict:

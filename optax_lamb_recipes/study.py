@@ -67,7 +67,9 @@ def run_study(cfg: StudyConfig, tuning: dict, *, out: str, previous: dict | None
 
   def save(group):
     runs.extend(group)
-    _write(_results(cfg, tuning, factors, runs, earlier + [records.session(start)]), out)
+    records.write_json(
+      _results(cfg, tuning, factors, runs, earlier + [records.session(start)]), out
+    )
     r = group[0]
     print(f"seed {r['seed']} {r['family']} B={r['batch']}: {r['group_seconds']:.0f} s", flush=True)
 
@@ -95,14 +97,6 @@ def _results(cfg, tuning, factors, runs, sessions) -> dict:
 
 def _grid_sizes(tuning: dict) -> dict[str, int]:
   return {"lamb": len(tuning["config"]["lamb_grid"]), "adamw": len(tuning["config"]["adamw_grid"])}
-
-
-def _write(results: dict, path: str) -> None:
-  """Replace ``path`` in one step, so that a killed run leaves the previous file whole."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(results, f)
-  os.replace(tmp, path)
 
 
 def main(argv=None):

@@ -39,6 +39,10 @@ def decay_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(lambda path, _: is_decayed(path), params)
 
 
+# The optimizer settings a random search may set per run (``Trainer.run``'s ``trials``).
+SEARCHABLE = ("b2", "eps", "weight_decay")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """The recipe's optimizer settings (You et al. 2019 and NVIDIA's BERT recipe)."""
@@ -170,7 +174,9 @@ class _Programs:
     sched = schedules.warmup_poly_decay(
       hyper["peak_lr"], hyper["warmup"], hyper["steps"], hyper["power"]
     )
-    return make_optimizer(family, sched, accumulate=hyper["k"], opt=self.opt)
+    searched = {k: hyper[k] for k in SEARCHABLE if k in hyper}  # a random search's trials
+    opt = dataclasses.replace(self.opt, **searched)
+    return make_optimizer(family, sched, accumulate=hyper["k"], opt=opt)
 
   def init(self, params, hyper, *, family):
     return jax.vmap(lambda p, h: self._tx(family, h).init(p))(params, hyper)
@@ -248,6 +254,7 @@ class Trainer:
     test: dict[int, MLMBatch] | None = None,
     evals_per_phase: int = 8,
     progress: Callable[[int], None] | None = None,
+    trials: Sequence[dict[str, float]] | None = None,
   ) -> list[RunResult]:
     """Train one family at several peak learning rates (side by side) through ``phases``.
 
@@ -257,21 +264,24 @@ class Trainer:
     the final model's loss on each test sequence is kept too (for paired bootstraps).
     Phase i's peak learning rate is ``peak_lrs[j] * phase.peak_lr / phases[0].peak_lr``.
     ``progress(n)`` is called with the samples trained after each segment.
+    ``trials`` (one phase only): per learning rate, a ``warmup_frac`` of the steps and values
+    of ``SEARCHABLE`` replacing the trainer's ``opt``, as traced values (one compilation).
     """
     start = time.perf_counter()
     n = len(peak_lrs)
+    if trials is not None and (len(phases) != 1 or len(trials) != n):
+      raise ValueError(f"trials need one phase and one trial per learning rate, got {len(trials)}")
     params = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), self.params0)
     state, log, offsets = None, _Log(), {}
     for i, ph in enumerate(phases):
       k = self._micro_steps(ph, evals_per_phase)
       peaks = np.asarray(peak_lrs, np.float32) * (ph.peak_lr / phases[0].peak_lr)
-      hyper = _hyper(ph, peaks, k)
+      hyper = _hyper(ph, peaks, k, trials)
       if state is None:
         state = self._init(params, hyper, family=family)
       else:
         state = self._carry(params, state, hyper, family=family)
-      sched = schedules.warmup_poly_decay(1.0, ph.warmup_steps, ph.steps, ph.power)
-      log.lrs.append(np.asarray(jax.vmap(sched)(jnp.arange(ph.steps)))[None] * peaks[:, None])
+      log.lrs.append(_lr_schedules(hyper, ph.steps))
       off = offsets.get(ph.seq_len, 0)
       for seg in self._segments(train_data[ph.seq_len], off, ph, k, evals_per_phase, i):
         params, state, loss, ratios, moved = self._segment(params, state, hyper, seg, family=family)
@@ -371,13 +381,27 @@ def _relative_step(updates: Any, params: Any) -> jax.Array:
   return jnp.stack(jax.tree.leaves(jax.tree.map(ratio, updates, params)))
 
 
-def _hyper(ph: schedules.Phase, peaks: np.ndarray, k: int) -> dict[str, jax.Array]:
-  """The traced hyper-parameters of one phase, one row per learning rate."""
+def _hyper(ph: schedules.Phase, peaks: np.ndarray, k: int, trials=None) -> dict[str, jax.Array]:
+  """The traced hyper-parameters of one phase, one row per learning rate (and trial)."""
   n = len(peaks)
-  return {
+  hyper = {
     "peak_lr": jnp.asarray(peaks),
     "warmup": jnp.full((n,), ph.warmup_steps, jnp.float32),
     "steps": jnp.full((n,), ph.steps, jnp.float32),
     "power": jnp.full((n,), ph.power, jnp.float32),
     "k": jnp.full((n,), k, jnp.int32),
   }
+  if trials is not None:
+    warmups = [max(1, round(t["warmup_frac"] * ph.steps)) for t in trials]
+    hyper["warmup"] = jnp.asarray(warmups, jnp.float32)
+    for name in SEARCHABLE:
+      hyper[name] = jnp.asarray([t[name] for t in trials], jnp.float32)
+  return hyper
+
+
+def _lr_schedules(hyper: dict[str, jax.Array], steps: int) -> np.ndarray:
+  """``[run, step]``: each run's learning rate at every step of the phase."""
+  sched = lambda h: jax.vmap(
+    schedules.warmup_poly_decay(h["peak_lr"], h["warmup"], h["steps"], h["power"])
+  )(jnp.arange(steps))
+  return np.asarray(jax.vmap(sched)({k: hyper[k] for k in ("peak_lr", "warmup", "steps", "power")}))

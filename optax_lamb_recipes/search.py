@@ -1,0 +1,266 @@
+"""Nado et al.'s control at this scale: an equal-budget random search for each optimizer.
+
+    python -m optax_lamb_recipes.search                 # trains what notebooks/results/search.json lacks
+    LAMB_QUICK=1 python -m optax_lamb_recipes.search    # the CI preset (seconds), to search_ci.json
+
+At the smallest and the largest batch of a sweep, LAMB and AdamW get the same number of trials.
+Each trial is one random draw, log-uniform in each range of ``SPACES``: the peak learning rate
+(a factor on the sweep's square-root-rule rate at that batch), the warm-up as a fraction of the
+run's steps, 1 - beta2, the weight decay, and epsilon for AdamW (LAMB keeps the paper's 1e-6).
+Every trial trains the first seed and is scored on the validation split; the best trial of each
+optimizer and batch is then trained on the other seeds, and the two optimizers are compared on
+the test split, paired by seed and test sequence (``analysis.bootstrap``). The results file is
+written after every group of runs; running the command again resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from optax_lamb_recipes import analysis, presets, records, splits
+from optax_lamb_recipes.presets import FAMILIES, SweepConfig
+
+# Log-uniform ranges. The learning-rate factors span the claim grid's and beyond on both sides.
+SPACES = {
+  "lamb": {
+    "factor": (1 / 16, 4.0),
+    "warmup_frac": (0.005, 0.5),
+    "one_minus_b2": (1e-3, 1e-1),
+    "weight_decay": (1e-3, 0.3),
+  },
+  "adamw": {
+    "factor": (1 / 16, 8.0),
+    "warmup_frac": (0.005, 0.5),
+    "one_minus_b2": (1e-3, 1e-1),
+    "weight_decay": (1e-3, 0.3),
+    "eps": (1e-10, 1e-4),
+  },
+}
+FIXED_EPS = 1e-6  # LAMB's epsilon (the paper's), where the space has none
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+  name: str
+  sweep: SweepConfig  # data, model, batches and sample budget; searched at its first and last batch
+  trials: int  # per optimizer and batch: the equal budget
+  seeds: tuple[int, ...]  # the first scores the trials; all train the chosen trial
+  group: int = 6  # trials trained side by side (one compiled program) before the file is written
+
+
+PRESETS = {
+  "claim": SearchConfig("claim", presets.PRESETS["claim"], trials=12, seeds=(0, 1, 2, 3, 4)),
+  "ci": SearchConfig("ci", presets.PRESETS["ci"], trials=2, seeds=(0, 1), group=2),
+}
+DEFAULT_OUT = {"claim": os.path.join("notebooks", "results", "search.json"), "ci": "search_ci.json"}
+
+
+def draw_trials(family: str, batch: int, n: int) -> list[dict[str, float]]:
+  """``n`` trials for ``family`` at ``batch``: the same draws on every run of the command."""
+  rng = np.random.default_rng([FAMILIES.index(family), batch])
+  space = SPACES[family]
+  out = []
+  for _ in range(n):
+    x = {
+      k: float(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for k, (lo, hi) in space.items()
+    }
+    out.append(
+      {
+        "factor": x["factor"],
+        "warmup_frac": x["warmup_frac"],
+        "b2": 1.0 - x["one_minus_b2"],
+        "weight_decay": x["weight_decay"],
+        "eps": x.get("eps", FIXED_EPS),
+      }
+    )
+  return out
+
+
+def edges(cfg: SearchConfig) -> tuple[int, int]:
+  return min(cfg.sweep.batches), max(cfg.sweep.batches)
+
+
+def chosen(cfg: SearchConfig, runs: list[dict]) -> dict[tuple[str, int], int]:
+  """``(family, batch) -> trial`` with the best final validation loss on the first seed, once
+  every trial of that cell has trained."""
+  out = {}
+  for family in FAMILIES:
+    for b in edges(cfg):
+      scored = {
+        r["trial"]: records.final(r, "validation")
+        for r in runs
+        if (r["seed"], r["family"], r["batch"]) == (cfg.seeds[0], family, b)
+      }
+      if len(scored) == cfg.trials:
+        out[family, b] = min(scored, key=scored.get)
+  return out
+
+
+def _train(cfg: SearchConfig, seed: int, family: str, b: int, which: list[int], on_group) -> None:
+  from optax_lamb_recipes import train as train_lib
+
+  scfg = cfg.sweep
+  train_data, val, test, _ = splits.load_data(scfg, seed)
+  trainer = train_lib.Trainer(scfg.model, micro=scfg.micro, seed=seed)
+  drawn = draw_trials(family, b, cfg.trials)
+  for lo in range(0, len(which), cfg.group):
+    idx = which[lo : lo + cfg.group]
+    trials = [drawn[i] for i in idx]
+    lrs = [t["factor"] * presets.base_lrs(scfg, b)[family] for t in trials]
+    t0 = time.perf_counter()
+    group = trainer.run(
+      family, lrs, presets.phases_for(scfg, b, lrs[0]), train_data, val, test=test,
+      evals_per_phase=scfg.evals, trials=trials,
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    done = []
+    for res, i, t in zip(group, idx, trials, strict=True):
+      done.append(records.record(res, t["factor"], seed, seconds, keep_ratios=False))
+      done[-1] |= {"trial": i, "hyper": t}
+    on_group(done)
+
+
+def run_search(cfg: SearchConfig, *, out: str, previous: dict | None = None) -> dict:
+  """Train every missing run, writing ``out`` after each group; the results dict."""
+  start = time.perf_counter()
+  runs = list(previous["runs"]) if previous else []
+  earlier = list(previous["sessions"]) if previous else []
+  have = {(r["seed"], r["family"], r["batch"], r["trial"]) for r in runs}
+
+  def save(group):
+    runs.extend(group)
+    records.write_json(_results(cfg, runs, earlier + [records.session(start)]), out)
+    r = group[0]
+    print(f"seed {r['seed']} {r['family']} B={r['batch']}: {r['group_seconds']:.0f} s", flush=True)
+
+  for seed in cfg.seeds:
+    for family in FAMILIES:
+      for b in edges(cfg):
+        if seed == cfg.seeds[0]:
+          which = list(range(cfg.trials))
+        else:
+          which = [chosen(cfg, runs)[family, b]]
+        which = [i for i in which if (seed, family, b, i) not in have]
+        if which:
+          _train(cfg, seed, family, b, which, save)
+  sessions = earlier + [records.session(start)] if len(runs) > len(have) else earlier
+  return _results(cfg, runs, sessions)
+
+
+def _results(cfg: SearchConfig, runs: list[dict], sessions: list[dict]) -> dict:
+  data = splits.load_data(cfg.sweep, cfg.seeds[0])[3]
+  return {
+    "search": {"name": cfg.name, "trials": cfg.trials, "seeds": list(cfg.seeds), "spaces": SPACES},
+    "config": dataclasses.asdict(cfg.sweep),
+    "data": {k: v for k, v in data.items() if k != "seed"},
+    "chosen": [{"family": f, "batch": b, "trial": t} for (f, b), t in chosen(cfg, runs).items()],
+    "runs": runs,
+    "sessions": sessions,
+    "wall_seconds": sum(s["wall_seconds"] for s in sessions),
+    "cpu_seconds": sum(s["cpu_seconds"] for s in sessions),
+  }
+
+
+def losses(results: dict, family: str, batch: int) -> tuple[list[int], np.ndarray]:
+  """``(seeds, L)`` of the chosen trial: L[i, q], the loss on test sequence q with seeds[i]."""
+  trial = next(
+    c["trial"] for c in results["chosen"] if (c["family"], c["batch"]) == (family, batch)
+  )
+  at = sorted(
+    (r for r in results["runs"] if (r["family"], r["batch"], r["trial"]) == (family, batch, trial)),
+    key=lambda r: r["seed"],
+  )
+  return [r["seed"] for r in at], np.array([r["test_per_sequence"] for r in at], float)
+
+
+def table(results: dict) -> dict[int, dict[str, dict]]:
+  """Batch -> ``lamb`` / ``adamw`` (final test loss of the chosen trial) and ``difference``
+  (LAMB minus AdamW, paired on the seeds both have), each a mean with its interval."""
+  out = {}
+  for b in sorted({c["batch"] for c in results["chosen"]}):
+    (s1, lamb), (s2, adamw) = losses(results, "lamb", b), losses(results, "adamw", b)
+    common = sorted(set(s1) & set(s2))
+    diff = lamb[[s1.index(s) for s in common]] - adamw[[s2.index(s) for s in common]]
+    out[b] = {
+      "lamb": analysis.bootstrap(lamb),
+      "adamw": analysis.bootstrap(adamw),
+      "difference": analysis.bootstrap(diff),
+    }
+  return out
+
+
+def format_table(results: dict) -> str:
+  """Markdown: per batch, each optimizer's searched loss and the paired difference."""
+  cell = lambda c: f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
+  lines = [
+    f"Random search, {results['search']['trials']} trials per optimizer and batch; final test "
+    "loss of the best trial (nats), mean [95% interval], and LAMB minus AdamW (negative: LAMB "
+    "better):",
+    "",
+    "| batch | LAMB | AdamW | LAMB minus AdamW | seeds |",
+    "|---:|---:|---:|---:|---:|",
+  ]
+  for b, row in table(results).items():
+    d = row["difference"]
+    lines.append(
+      f"| {b} | {cell(row['lamb'])} | {cell(row['adamw'])} | "
+      f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['seeds']} |"
+    )
+  return "\n".join(lines)
+
+
+def format_chosen(results: dict) -> str:
+  """Markdown: the chosen trial of each optimizer and batch, and its validation loss."""
+  lines = [
+    "| optimizer | batch | peak lr | warm-up | beta2 | weight decay | eps | validation |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  first = results["search"]["seeds"][0]
+  for c in results["chosen"]:
+    r = next(
+      r
+      for r in results["runs"]
+      if (r["seed"], r["family"], r["batch"], r["trial"])
+      == (first, c["family"], c["batch"], c["trial"])
+    )
+    h = r["hyper"]
+    lines.append(
+      f"| {c['family']} | {c['batch']} | {r['peak_lr']:.2g} | {h['warmup_frac']:.1%} | "
+      f"{h['b2']:.4f} | {h['weight_decay']:.2g} | {h['eps']:.1g} | "
+      f"{records.final(r, 'validation'):.3f} |"
+    )
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    epilog="The claim preset trains 64 runs (48 trials, then 16 reruns of the chosen ones); "
+    "measured times are in the results' sessions. The ci preset takes seconds.",
+  )
+  parser.add_argument("--preset", choices=sorted(PRESETS), default=presets.default_preset())
+  parser.add_argument("--out", help="results JSON, resumed when it exists (default: per preset)")
+  parser.add_argument("--restart", action="store_true", help="ignore an existing --out")
+  args = parser.parse_args(argv)
+  cfg = PRESETS[args.preset]
+  out = args.out or DEFAULT_OUT[cfg.name]
+  previous = None
+  if os.path.exists(out) and not args.restart:
+    with open(out) as f:
+      previous = json.load(f)
+    print(f"resuming {out}: {len(previous['runs'])} runs done")
+  results = run_search(cfg, out=out, previous=previous)
+  print(format_chosen(results) + "\n\n" + format_table(results))
+  print(f"\nresults: {out}")
+
+
+if __name__ == "__main__":
+  main()
