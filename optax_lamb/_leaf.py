@@ -214,51 +214,56 @@ def trust_ratio(param_norm, update_norm, h: Hyperparams):
   return jnp.where(zero_norm, jnp.ones_like(ratio), ratio).astype(dtype)
 
 
-def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, exact_norms):
-  """The ratio vector from the squared-norm vectors (one slot per leaf or stacked slice).
+def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, scaled_sums):
+  """The ratio vector from the plain squared-norm vectors (one slot per leaf or stacked slice).
 
-  The squares must already be summed over each slot's mapped axes; slots of
-  leaves without layer adaptation get ratio 1. Where an adapted slot's sum may
-  have overflowed or underflowed (`_norms.needs_scaling`), that slot's norms come
-  from `exact_norms()` (a pair of vectors, computed scaled; called only then;
-  None: the plain sums are used).
+  Every sum must already be summed over its slot's mapped axes; slots of leaves
+  without layer adaptation get ratio 1. ``scaled_sums`` are the slots' sums of
+  squares at the other `_norms.SCALES`, (p down, p up, u down, u up), which
+  `_norms.norm_from_sums` takes where a plain sum over- or underflowed; or a
+  function returning them, then called (under ``lax.cond``) only when an adapted
+  slot's plain sum is suspect, so the common path never computes them.
   """
   adapted = np.asarray(adapted, bool)
-  suspect = jnp.logical_or(
-    _norms.needs_scaling(param_sq_norms), _norms.needs_scaling(update_sq_norms)
-  )
-  plain = (_norms.safe_sqrt(param_sq_norms), _norms.safe_sqrt(update_sq_norms))
 
-  def exact():  # only the suspect slots change; typed like `plain` (shard_map's varying axes)
-    return tuple(jnp.where(suspect, e, p) for e, p in zip(exact_norms(), plain, strict=True))
+  def exact(sums):
+    p_down, p_up, u_down, u_up = sums
+    return (
+      _norms.norm_from_sums(param_sq_norms, p_down, p_up),
+      _norms.norm_from_sums(update_sq_norms, u_down, u_up),
+    )
 
-  if exact_norms is None:  # the fused backends' sums, not rescaled yet (docs/faults.md)
-    norms = plain
+  if callable(scaled_sums):
+    suspect = jnp.logical_or(_norms.suspect(param_sq_norms), _norms.suspect(update_sq_norms))
+    plain = (_norms.safe_sqrt(param_sq_norms), _norms.safe_sqrt(update_sq_norms))
+    rare = jnp.any(jnp.logical_and(suspect, adapted))
+    norms = jax.lax.cond(rare, lambda: exact(scaled_sums()), lambda: plain)
   else:
-    norms = jax.lax.cond(jnp.any(jnp.logical_and(suspect, adapted)), exact, lambda: plain)
+    norms = exact(scaled_sums)
   ratio = trust_ratio(*norms, h)
   return jnp.where(adapted, ratio, jnp.ones_like(ratio))
 
 
 def trust_ratios_of_leaves(
   param_sq_norms: list, update_sq_norms: list, h: Hyperparams, names: list, layout, adapted: list,
-  exact_norms,
+  scaled_sums,
 ):  # fmt: skip
   """The ratio vector from per-leaf squared norms (stacked shapes) and per-leaf axis names.
 
   One psum per distinct axis name for both norms, before the leaves are joined
   into the slot vectors (so replicated leaves' ratios stay replicated).
-  `exact_norms()` gives the per-leaf norms computed scaled (see `trust_ratios`).
+  ``scaled_sums()`` gives the per-leaf lists (p down, p up, u down, u up), called
+  only when a plain sum is suspect (see `trust_ratios`).
   """
   n = len(param_sq_norms)
   summed = _norms.psum_by_name([*param_sq_norms, *update_sq_norms], [*names, *names])
   p_sq, u_sq = layout.join(summed[:n]), layout.join(summed[n:])
 
-  def exact_slot_norms():
-    return tuple(map(layout.join, exact_norms()))
+  def slot_sums():
+    flat = _norms.psum_by_name([x for part in scaled_sums() for x in part], list(names) * 4)
+    return tuple(layout.join(flat[i * n : (i + 1) * n]) for i in range(4))
 
-  exact = None if exact_norms is None else exact_slot_norms
-  return trust_ratios(p_sq, u_sq, h, layout.per_slot(adapted), exact)
+  return trust_ratios(p_sq, u_sq, h, layout.per_slot(adapted), slot_sums)
 
 
 def broadcast_ratio(ratio, leaf):

@@ -1,10 +1,13 @@
 """Squared norms in float32 (at least), and their sums over the mapped axes a leaf is sharded on.
 
 A float32 sum of squares overflows for elements near 1e19 and underflows (to 0,
-or a denormal) for elements near 1e-19. The fast paths sum plain squares; where
-a sum comes out infinite or below `SMALL_SQUARED_NORM`, the step recomputes
-that norm as max|x| sqrt(sum((x / max|x|)^2)) (`scaled_norm`), under
-``lax.cond``: the common path pays one comparison of the sums, no pass over memory.
+or a denormal) for elements near 1e-19. The same sum of (x s)^2 for s = 2^-80
+(`DOWN`) stays finite for every float32 x, and for s = 2^64 (`UP`) keeps every
+normal x's square normal; `norm_from_sums` takes the plain sum unless it came
+out infinite or below `SMALL_SQUARED_NORM`, and then the scaled one. The fused
+XLA step and the stage chain sum plainly and compute the scaled sums (one pass,
+like the plain ones) only under ``lax.cond`` when a plain sum is suspect; the
+Pallas kernels, memory-bound on a GPU, accumulate all three in the same pass.
 
 Every norm of the package goes through here: the global clipping norm, the
 trust ratio's ||p|| and ||u|| (per leaf or stacked slice), on every
@@ -26,6 +29,10 @@ import numpy as np
 
 # Below this a float32 sum of squares may have lost terms to underflow (2^-100: about 8e-31).
 SMALL_SQUARED_NORM = 2.0**-100
+# (x DOWN)^2 <= 2^96 for every float32 x, so 2^31 of them sum to a finite float32; (x UP)^2 is
+# normal for every normal x below 2^-50 (all of them, where the plain sum is that small).
+DOWN, UP = 2.0**-80, 2.0**64
+SCALES = (1.0, DOWN, UP)  # the three sums of one norm, in `norm_from_sums`'s order
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -47,30 +54,40 @@ def sq_norm(x, stacked_axes: int = 0):
   return jnp.sum(jnp.square(x), axis=tuple(range(stacked_axes, x.ndim)))
 
 
-def sq_norms(*xs, stacked_axes: int = 0, partial_count: int = 16):
-  """`sq_norm` of several same-shaped arrays, computed in one pass over memory.
+def sq_norms(*xs, stacked_axes: int = 0, scales=(1.0,), partial_count: int = 16):
+  """Sums of (x s)^2 for each array x and each s of `scales`, in one pass over memory.
 
-  Same values as `sq_norm` of each, up to float32 summation order: each array
-  is viewed as `partial_count` contiguous blocks, one reduction adds the blocks
-  together element by element for every input at once (a vectorised loop that
-  also evaluates the inputs' producers, e.g. the LAMB direction, once), and the
+  A flat tuple, array-major (x0 s0, x0 s1, ..., x1 s0, ...). Same values as
+  `sq_norm` of each x s, up to float32 summation order: each array is viewed as
+  `partial_count` contiguous blocks, one reduction adds the blocks together
+  element by element for every sum at once (a vectorised loop that also
+  evaluates the inputs' producers, e.g. the LAMB direction, once), and the
   block-sized partial sums are then added up.
   """
   shape = jnp.shape(xs[0])
   lead, size = shape[:stacked_axes], math.prod(shape[stacked_axes:])
+  wide = [x.astype(compute_dtype(x.dtype)) for x in xs]
+  scaled = [x * s if s != 1.0 else x for x in wide for s in scales]
   if size < 64 * partial_count or size % partial_count:
-    return tuple(sq_norm(x, stacked_axes) for x in xs)
-  squares = tuple(
-    jnp.square(x.astype(compute_dtype(x.dtype))).reshape(
-      lead + (partial_count, size // partial_count)
-    )
-    for x in xs
-  )
-  zeros = tuple(jnp.zeros((), s.dtype) for s in squares)
+    return tuple(sq_norm(x, stacked_axes) for x in scaled)
+  squares = [jnp.square(x).reshape(lead + (partial_count, size // partial_count)) for x in scaled]
+  zeros = tuple(jnp.zeros((), q.dtype) for q in squares)
   partials = jax.lax.reduce(
-    squares, zeros, lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (len(lead),)
+    tuple(squares),
+    zeros,
+    lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)),
+    (len(lead),),
   )
-  return tuple(jnp.sum(s, axis=-1) for s in partials)
+  return tuple(jnp.sum(q, axis=-1) for q in partials)
+
+
+def scaled_sq_sums(p, u, stacked_axes: int = 0):
+  """(p down, p up, u down, u up): the rare path's sums at `SCALES`' other scales, in one pass.
+
+  In 256 blocks, not 16: XLA reserves the memory of a branch it may never run,
+  and the block-sized partial sums then take 1/256 of p and u (4 sums), not 1/16.
+  """
+  return sq_norms(p, u, stacked_axes=stacked_axes, scales=SCALES[1:], partial_count=256)
 
 
 def safe_sqrt(sq):
@@ -84,9 +101,17 @@ def safe_sqrt(sq):
   return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq))), 0)
 
 
-def needs_scaling(sq) -> jax.Array:
-  """Where a float32 sum of squares may be wrong: infinite, or small enough to have underflowed."""
+def suspect(sq) -> jax.Array:
+  """Where a plain float32 sum of squares may be wrong: infinite, or small enough to have lost
+  terms to underflow."""
   return jnp.logical_or(sq < SMALL_SQUARED_NORM, jnp.isinf(sq))
+
+
+def norm_from_sums(plain, down, up):
+  """||x|| from its sums of squares at `SCALES`: the plain one where it is right (`suspect`
+  says where not), else the scaled one that is; finite derivatives throughout."""
+  scaled = jnp.where(jnp.isinf(plain), safe_sqrt(down) / DOWN, safe_sqrt(up) / UP)
+  return jnp.where(suspect(plain), scaled, safe_sqrt(plain))
 
 
 def scaled_norm(x, stacked_axes: int = 0, axis_name=None):
@@ -149,7 +174,11 @@ def global_sq_norm(leaves: Sequence[Any], names: Sequence[Any]) -> jax.Array:
 
 def global_norm(leaves: Sequence[Any], names: Sequence[Any]) -> jax.Array:
   """The norm of all `leaves` together (each psum'd over its axis names), right for every finite
-  input: the plain sum of squares, rescaled only where it overflowed (gradients near 1e19)."""
+  input: the plain sum of squares, rescaled only where it overflowed (gradients near 1e19).
+
+  The rescue divides by max|x| (`scaled_norm`): the `DOWN`-scaled sums give the
+  same norm, but in this conditional they changed how XLA:CPU fuses the common
+  path around it (an update one ulp apart with and without donation)."""
   sq = global_sq_norm(leaves, names)
 
   def rescaled():

@@ -140,21 +140,21 @@ class StepPlan(NamedTuple):
   treedef: Any  # of the params
   parts: LambStateParts  # the state the step starts from
 
-  def ratios_from_slots(self, param_sq_norms, update_sq_norms) -> jax.Array:
-    """The ratio vector from squared-norm vectors over the slots, each psum'd over its leaf's axes.
-
-    The sums are used as they are (the Pallas backend's; the stage chain rescales them).
-    """
+  def ratios_from_slots(self, param_sums, update_sums) -> jax.Array:
+    """The ratio vector from the slots' sums of squares at every `_norms.SCALES` (a triple of
+    vectors for p and one for u; the Pallas backend's), each psum'd over its leaf's axes."""
     names = self.layout.per_slot([leaf.axis_name if leaf.adapt else None for leaf in self.leaves])
     adapted = self.layout.per_slot([leaf.adapt for leaf in self.leaves])
-    summed = (_norms.psum_slots(x, names) for x in (param_sq_norms, update_sq_norms))
-    return _leaf.trust_ratios(*summed, self.hyper, adapted, None)
+    p_plain, p_down, p_up, u_plain, u_down, u_up = (
+      _norms.psum_slots(x, names) for x in (*param_sums, *update_sums)
+    )
+    return _leaf.trust_ratios(p_plain, u_plain, self.hyper, adapted, (p_down, p_up, u_down, u_up))
 
-  def ratios_from_leaves(self, param_sq_norms: list, update_sq_norms: list) -> jax.Array:
-    """The ratio vector from per-leaf squared norms (zeros for leaves that do not adapt).
-
-    The sums are used as they are (the fused backends'; the stage chain rescales them).
-    """
+  def ratios_from_leaves(
+    self, param_sq_norms: list, update_sq_norms: list, scaled_sums
+  ) -> jax.Array:
+    """The ratio vector from per-leaf plain squared norms (zeros for leaves that do not adapt);
+    ``scaled_sums()`` per leaf, only where a plain sum is suspect (`_leaf.trust_ratios`)."""
     return _leaf.trust_ratios_of_leaves(
       param_sq_norms,
       update_sq_norms,
@@ -162,7 +162,7 @@ class StepPlan(NamedTuple):
       [leaf.axis_name if leaf.adapt else None for leaf in self.leaves],
       self.layout,
       [leaf.adapt for leaf in self.leaves],
-      None,
+      scaled_sums,
     )
 
 

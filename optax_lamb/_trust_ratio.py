@@ -118,17 +118,17 @@ def trust_ratio_stage(
     adapts = [bool(a) for a in adapts]
     names = [n if a else None for n, a in zip(names, adapts, strict=True)]
 
-    def exact_norms():  # the rare path: a sum of squares over- or underflowed
-      return tuple(
-        [
-          _norms.scaled_norm(x, k, n) if a else jnp.zeros(jnp.shape(x)[:k], jnp.float32)
-          for x, k, n, a in zip(xs, axes, names, adapts, strict=True)
-        ]
-        for xs in (ps, us)
-      )
+    def scaled_sums():  # the rare path: a plain sum of squares over- or underflowed
+      sums = [
+        _norms.scaled_sq_sums(p, u, stacked_axes=k)
+        if a
+        else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 4
+        for p, u, k, a in zip(ps, us, axes, adapts, strict=True)
+      ]
+      return tuple(list(part) for part in zip(*sums, strict=True))
 
     ratios = _leaf.trust_ratios_of_leaves(
-      sq_norms(ps), sq_norms(us), h, names, layout, adapts, exact_norms
+      sq_norms(ps), sq_norms(us), h, names, layout, adapts, scaled_sums
     )
     scaled = [
       _leaf.scale_by_ratio(u, r) if a else u

@@ -60,9 +60,16 @@ class XlaBackend:
       _pass1(h, leaf, x, self.materialize_u_max_size)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
-    # The sums as they are, not rescaled where they over- or underflow: a rescaling branch
-    # here cost a param-sized temporary per step (XLA copies a conditional's operands).
-    ratios = plan.ratios_from_leaves([f.p_sq for f in firsts], [f.u_sq for f in firsts])
+
+    def scaled_sums():  # only where a plain sum over- or underflowed (under lax.cond)
+      sums = [
+        _scaled_sums(h, leaf, x, f) for leaf, x, f in zip(plan.leaves, leaves, firsts, strict=True)
+      ]
+      return tuple(list(part) for part in zip(*sums, strict=True))
+
+    ratios = plan.ratios_from_leaves(
+      [f.p_sq for f in firsts], [f.u_sq for f in firsts], scaled_sums
+    )
     out = [
       _pass2(h, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(
@@ -108,6 +115,21 @@ def _pass1(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays, materialize_max:
     return _Pass1(m, v, m_c, v_c, _norms.sq_norm(p, k), _norms.sq_norm(u, k), u, kept)
   p_sq, u_sq = _norms.sq_norms(p, u, stacked_axes=k)
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
+
+
+def _scaled_sums(h, leaf: LeafPlan, x: LeafArrays, first: _Pass1):
+  """(p down, p up, u down, u up): the leaf's sums of squares at `_norms.SCALES`' other scales,
+  u recomputed from pass 1's moments (one pass, like pass 1's reduction)."""
+  k = leaf.stacked_axes
+  if not leaf.adapt:
+    return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 4
+  u = (
+    first.u
+    if first.u is not None
+    else _direction(h, leaf, x, first.m_c, first.v_c, x.p, first.kept)
+  )
+  p = _leaf.ratio_params(x.p, h, decay=leaf.decay)
+  return _norms.scaled_sq_sums(p, u, stacked_axes=k)
 
 
 def _pass2(h, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool):

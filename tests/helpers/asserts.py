@@ -59,9 +59,9 @@ def assert_trees_equal(a, b) -> None:
 
 
 def assert_trees_close(a, b, *, rtol: float = IMPLEMENTATION_RTOL, atol=None) -> None:
-  """Same structure and leaf dtypes; |a - b| <= atol + rtol |b| (in float64).
+  """Same structure and leaf dtypes; |a - b| <= atol + rtol |b| (in float64), or a == b.
 
-  `atol` defaults to one float32 rounding at the leaf's largest value: an element
+  `atol` defaults to one float32 rounding at the leaf's largest finite value: an element
   that cancels to near zero keeps the rounding of its leaf-sized terms.
   """
   chex.assert_trees_all_equal_structs(a, b)
@@ -70,7 +70,8 @@ def assert_trees_close(a, b, *, rtol: float = IMPLEMENTATION_RTOL, atol=None) ->
   paths = jax.tree_util.tree_flatten_with_path(a)[0]
   for (path, x), y in zip(paths, jax.tree.leaves(b), strict=True):
     y = np.asarray(y, np.float64)
-    floor = FLOAT32_EPS * float(np.max(np.abs(y), initial=0.0)) if atol is None else atol
+    largest = np.max(np.abs(y), initial=0.0, where=np.isfinite(y))
+    floor = FLOAT32_EPS * float(largest) if atol is None else atol
     assert_close_to_reference(x, y, rtol=rtol, atol=floor, err_msg=jax.tree_util.keystr(path))
 
 
@@ -81,9 +82,10 @@ def assert_close_to_reference(got, want, *, rtol: float, atol, err_msg: str = ""
 
 
 def _assert_within(got, want, tolerance, what: str, kind: str = "") -> None:
-  error = np.abs(got - want)
+  with np.errstate(invalid="ignore"):  # inf - inf: an infinity is 0 from itself
+    error = np.where(got == want, 0.0, np.abs(got - want))
   record_margin(error, tolerance, kind)
-  bad = ~(error <= tolerance)  # NaN fails too
+  bad = ~(error <= tolerance)  # NaN fails too; an infinity passes only itself
   if np.any(bad):
     worst = np.unravel_index(np.argmax(np.where(bad, error - tolerance, -np.inf)), error.shape)
     raise AssertionError(

@@ -126,3 +126,19 @@ def test_findings_name_the_batches_by_the_side_of_zero_their_interval_lies_on():
     assert line.endswith(
       "LAMB better at B=16; AdamW better at B=64; no difference resolved at B=256."
     ), line
+
+
+def test_steps_to_target_interpolates_the_mean_curve_between_evaluations():
+  results = _results_with(np.zeros((2, 1)), np.zeros((2, 1)))
+  for r, curve in zip(results["runs"][:2], ([6.0, 5.0, 4.0], [6.0, 5.4, 4.2]), strict=True):
+    r |= {"samples": [160, 320, 480], "test": curve}  # batch 16: evaluations at 10, 20, 30 steps
+  arm = report.arm_name("lamb", "retuned per batch")
+  # mean curve 6.0, 5.2, 4.1: 5.6 is crossed halfway from step 10 to step 20
+  assert analysis.steps_to_target(results, arm, 5.6) == {16: pytest.approx(15.0)}
+  assert analysis.steps_to_target(results, arm, 3.0) == {16: None}
+
+
+def test_largest_paying_batch_stops_at_the_first_doubling_that_saves_too_little():
+  assert analysis.largest_paying_batch({16: 900, 32: 450, 64: 300, 128: 290}) == 64
+  assert analysis.largest_paying_batch({16: 900, 32: 700}) is None
+  assert analysis.largest_paying_batch({16: 900, 32: 400, 64: None}) == 32

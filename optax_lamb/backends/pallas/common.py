@@ -173,9 +173,11 @@ def store(ref, start, mask, size, value):
   plt.store(ref.at[pl.ds(start, size)], value.astype(ref.dtype), mask=mask)
 
 
-def masked_sq_sum(x, mask):
+def masked_sq_sums(x, mask):
+  """x's sums of squares at every `_norms.SCALES`, over the unmasked lanes."""
   # Masked lanes hold other=0 inputs, and u may be 0/0 there when eps = 0: zero them first.
-  return _norms.sq_norm(jnp.where(mask, x.astype(jnp.float32), 0.0))
+  x = jnp.where(mask, x.astype(jnp.float32), 0.0)
+  return tuple(_norms.sq_norm(x * s) for s in _norms.SCALES)
 
 
 # -------------------------------------------------------------------- the pallas_call

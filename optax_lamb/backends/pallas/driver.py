@@ -100,19 +100,18 @@ class PallasBackend:
 
     # Pass 1 over the adapted leaves; the moments it writes replace mu, nu.
     tables = common.buckets([leaf for leaf in plan.leaves if leaf.adapt], self.block_sizes)
-    p_parts, u_parts = [], []
+    parts = []  # per launch, its partial sums [6, program]
     for table in tables:
       operands = [flat_arrays(leaves[c.leaf.index], flat) for c in table]
-      written, p_part, u_part = pass1.moments_and_norms(
+      written, launch_parts = pass1.moments_and_norms(
         scalars, operands, table=table, constants=constants, **launch
       )
       for c, moments in zip(table, written, strict=True):
         if moments:
           mu[c.leaf.index] = moments["m"].reshape(c.leaf.shape)
           nu[c.leaf.index] = moments["v"].reshape(c.leaf.shape)
-      p_parts.append(p_part)
-      u_parts.append(u_part)
-    ratios = self._ratios(plan, tables, p_parts, u_parts, launch)
+      parts.append(launch_parts)
+    ratios = self._ratios(plan, tables, parts, launch)
 
     # Pass 2: from the new moments, or from g and the old ones (`pass2.from_grads`).
     def inputs(leaf: LeafPlan, reshape=lambda a: a) -> dict:
@@ -153,24 +152,23 @@ class PallasBackend:
         take(c.leaf, result)
     return StepResult(out, mu, nu, ratios)
 
-  def _ratios(self, plan: StepPlan, tables, p_parts, u_parts, launch) -> jax.Array:
+  def _ratios(self, plan: StepPlan, tables, parts, launch) -> jax.Array:
     """The ratio vector: the adapted slots' trust ratios from their partial sums, 1 elsewhere.
 
-    The sums are not rescaled where they over- or underflow (the XLA path does that):
-    a rescaling branch here crashed XLA:CPU's compiler on an interpreted-kernel test
-    (jax 0.10.2), and its cost on a GPU is not measured.
+    Pass 1 sums the squares at every `_norms.SCALES` in the same pass (a rescaling
+    branch here crashed XLA:CPU's compiler on an interpreted-kernel test, jax 0.10.2).
     """
     slots = plan.layout.size
     if not tables:
       return jnp.ones((slots,), jnp.float32)
     starts, counts = slice_sums.slot_ranges(tables, slots)
-    p_sq, u_sq = slice_sums.slice_sums(
+    sums = slice_sums.slice_sums(
       *slice_sums.slot_operands(starts, counts),
-      jnp.concatenate(p_parts),
-      jnp.concatenate(u_parts),
+      jnp.concatenate(parts, axis=1),
       **launch,
     )
-    return plan.ratios_from_slots(p_sq, u_sq)
+    half = len(sums) // 2
+    return plan.ratios_from_slots(sums[:half], sums[half:])
 
 
 def flat_arrays(x: LeafArrays, flat) -> dict:

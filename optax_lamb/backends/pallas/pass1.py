@@ -3,8 +3,10 @@
 One program per chunk of an adapted leaf, a bucket of leaves per launch. It
 reads p, g, m, v; writes m', v' in place where the moments are stored
 unrounded (else pass 2 recomputes them from g and the old moments); and
-writes one partial sum of each squared norm per chunk, which `slice_sums`
-adds up per leaf or stacked slice.
+writes per chunk the partial sums of each squared norm at every
+`_norms.SCALES` (plain, and scaled for where the plain one over- or
+underflows: extra arithmetic, no extra bytes), which `slice_sums` adds up per
+leaf or stacked slice.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _leaf
+from optax_lamb import _leaf, _norms
 from optax_lamb.backends.pallas import common
 from optax_lamb.backends.pallas.common import BlockSizes, LeafChunks, Table
 
@@ -26,9 +28,10 @@ def _writes_moments(c: LeafChunks) -> bool:
 
 
 def kernel(scalars_ref, *refs, table: Table, block: int, constants, in_def, out_def):
-  """m', v' (in place where stored unrounded) and the chunk's partial sums of ||p||^2, ||u||^2."""
+  """m', v' (in place where stored unrounded) and the chunk's partial sums of ||p||^2, ||u||^2
+  at every `_norms.SCALES` (six numbers: p's three, then u's)."""
   ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
-  moments_out, p_part_ref, u_part_ref = jax.tree.unflatten(out_def, refs[in_def.num_leaves :])
+  moments_out, part_refs = jax.tree.unflatten(out_def, refs[in_def.num_leaves :])
   h = common.load_hyperparams(scalars_ref, constants)
 
   def body(pid, j, c):
@@ -40,8 +43,10 @@ def kernel(scalars_ref, *refs, table: Table, block: int, constants, in_def, out_
       if name in moments_out[j]:
         common.store(moments_out[j][name], start, mask, block, value)
     u = _leaf.direction(m, v, x["p"], h, decay=c.leaf.decay)
-    p_part_ref[...] = common.masked_sq_sum(_leaf.ratio_params(x["p"], h, decay=c.leaf.decay), mask)
-    u_part_ref[...] = common.masked_sq_sum(u, mask)
+    p = _leaf.ratio_params(x["p"], h, decay=c.leaf.decay)
+    sums = (*common.masked_sq_sums(p, mask), *common.masked_sq_sums(u, mask))
+    for ref, value in zip(part_refs, sums, strict=True):
+      ref[...] = value
 
   common.for_each_leaf(table, body)
 
@@ -51,7 +56,7 @@ def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSi
   """Pass 1 over one bucket. `leaves`: per leaf of `table`, ``{g, m, p, v}`` flat arrays.
 
   Returns (per leaf ``{m, v}`` for the leaves whose moments it writes, else ``{}``;
-  the p partial sums; the u partial sums), one partial per program.
+  the partial sums, ``[6, program]``: p's at each `_norms.SCALES`, then u's).
   """
   for j, x in enumerate(leaves):
     for name in _INPUTS:
@@ -67,32 +72,36 @@ def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSi
     else {}
     for c, x in zip(table, leaves, strict=True)
   ]
-  per_program = common.one_per_program()
-  return common.launch(
+  parts = (partial,) * (2 * len(_norms.SCALES))
+  written, sums = common.launch(
     kernel,
     (scalars,),
     [{n: x[n] for n in _INPUTS} for x in leaves],
-    (moments_out, partial, partial),
-    out_specs=(jax.tree.map(common.whole, moments_out), per_program, per_program),
+    (moments_out, parts),
+    out_specs=(jax.tree.map(common.whole, moments_out), (common.one_per_program(),) * len(parts)),
     # m', v' (output paths (0, j, name)) overwrite m, v (input paths (j, name))
-    overwrites=lambda path: path[1:] or None,
+    overwrites=lambda path: path[1:] if path[0].idx == 0 else None,
     table=table,
     constants=constants,
     block_sizes=block_sizes,
     interpret=interpret,
     name="lamb_moments_and_norms",
   )
+  return written, jnp.stack(sums)  # one array: the driver joins the launches in one go
 
 
 def reference(h: _leaf.Hyperparams, x, c: LeafChunks, block: int):
-  """What pass 1 computes for one flat leaf `x` ({g, m, p, v}): (m', v', p partials, u partials)."""
+  """What pass 1 computes for one flat leaf `x` ({g, m, p, v}): (m', v', the six partials)."""
   m_new, v_new = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
   u = _leaf.direction(m_new, v_new, x["p"], h, decay=c.leaf.decay)
 
   def partials(y):
     y = y.astype(jnp.float32).reshape(c.leaf.slices, c.leaf.length)
     y = jnp.pad(y, ((0, 0), (0, c.chunks * block - c.leaf.length)))
-    return jnp.sum(jnp.square(y).reshape(c.programs, block), axis=1)
+    return tuple(
+      jnp.sum(jnp.square(y * s).reshape(c.programs, block), axis=1) for s in _norms.SCALES
+    )
 
   p = _leaf.ratio_params(x["p"], h, decay=c.leaf.decay)
-  return m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype), partials(p), partials(u)
+  moments = (m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype))
+  return moments, jnp.stack((*partials(p), *partials(u)))

@@ -1,8 +1,10 @@
-"""Between the passes: each ratio slot's squared norms from pass 1's per-chunk partial sums.
+"""Between the passes: each ratio slot's sums of squares from pass 1's per-chunk partial sums.
 
 One launch for the whole tree, one program per ratio slot (a leaf, or a stacked
 slice of one), adding up the slot's partials in a fixed order: deterministic,
-no atomics. The trust ratios then come from `_leaf.trust_ratios` in XLA.
+no atomics. Each of pass 1's partial vectors (||p||^2 and ||u||^2 at every
+`_norms.SCALES`) is summed alike; the trust ratios then come from
+`_leaf.trust_ratios` in XLA.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ def slot_ranges(tables: list[Table], slot_count: int) -> tuple[list[int], list[i
   return starts, counts
 
 
-def kernel(starts_ref, counts_ref, p_part_ref, u_part_ref, p_sq_ref, u_sq_ref, *, size: int):
-  """Slot i: the sums of its `counts[i]` partials from `starts[i]`, `size` at a time."""
+def kernel(starts_ref, counts_ref, *refs, size: int):
+  """Slot i: the sums of its `counts[i]` partials from `starts[i]`, `size` at a time, for each
+  partial vector (the first half of `refs`) into its output (the second half)."""
+  part_refs, out_refs = refs[: len(refs) // 2], refs[len(refs) // 2 :]
   slot = pl.program_id(0)
   start, count = starts_ref[slot], counts_ref[slot]
   lanes = jnp.arange(size, dtype=jnp.int32)
@@ -42,31 +46,34 @@ def kernel(starts_ref, counts_ref, p_part_ref, u_part_ref, p_sq_ref, u_sq_ref, *
   def add(i, acc):
     offset = i * size
     mask = offset + lanes < count
-    return (
-      acc[0] + common.load(p_part_ref, start + offset, mask, size),
-      acc[1] + common.load(u_part_ref, start + offset, mask, size),
+    return tuple(
+      a + common.load(ref, start + offset, mask, size)
+      for a, ref in zip(acc, part_refs, strict=True)
     )
 
-  zeros = jnp.zeros((size,), jnp.float32)
-  acc_p, acc_u = jax.lax.fori_loop(0, (count + size - 1) // size, add, (zeros, zeros))
-  p_sq_ref[...] = jnp.sum(acc_p)
-  u_sq_ref[...] = jnp.sum(acc_u)
+  zeros = tuple(jnp.zeros((size,), jnp.float32) for _ in part_refs)
+  sums = jax.lax.fori_loop(0, (count + size - 1) // size, add, zeros)
+  for ref, acc in zip(out_refs, sums, strict=True):
+    ref[...] = jnp.sum(acc)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def slice_sums(starts, counts, p_part, u_part, *, block_sizes: BlockSizes, interpret: bool):
-  """(||p||^2, ||u||^2) per ratio slot from the concatenated partial sums of pass 1."""
-  out = common.out_struct(starts.shape, jnp.float32, p_part)
-  return common.call(
-    functools.partial(kernel, size=block_sizes.sum_block),
-    (starts, counts, p_part, u_part),
-    block_sizes=block_sizes,
-    interpret=interpret,
-    grid=(starts.shape[0],),
-    in_specs=[common.whole(x) for x in (starts, counts, p_part, u_part)],
-    out_specs=[common.one_per_program()] * 2,
-    out_shape=[out, out],
-    name="lamb_slice_sums",
+def slice_sums(starts, counts, partials, *, block_sizes: BlockSizes, interpret: bool):
+  """Per ratio slot, the sums of each row of `partials` (pass 1's, the launches concatenated)."""
+  parts = tuple(partials)
+  out = common.out_struct(starts.shape, jnp.float32, partials)
+  return tuple(
+    common.call(
+      functools.partial(kernel, size=block_sizes.sum_block),
+      (starts, counts, *parts),
+      block_sizes=block_sizes,
+      interpret=interpret,
+      grid=(starts.shape[0],),
+      in_specs=[common.whole(x) for x in (starts, counts, *parts)],
+      out_specs=[common.one_per_program()] * len(parts),
+      out_shape=[out] * len(parts),
+      name="lamb_slice_sums",
+    )
   )
 
 
@@ -75,9 +82,9 @@ def slot_operands(starts: list[int], counts: list[int]) -> tuple[jax.Array, jax.
   return jnp.asarray(np.asarray(starts, np.int32)), jnp.asarray(np.asarray(counts, np.int32))
 
 
-def reference(starts, counts, p_part, u_part):
-  """(||p||^2, ||u||^2) per slot, from the partial sums."""
+def reference(starts, counts, partials):
+  """Per slot, the sum of each row of `partials`."""
   sums = lambda part: jnp.stack(
     [jnp.sum(part[a : a + n]) for a, n in zip(starts, counts, strict=True)]
   )
-  return sums(p_part), sums(u_part)
+  return tuple(sums(part) for part in partials)
