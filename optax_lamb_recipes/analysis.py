@@ -16,6 +16,11 @@ from optax_lamb_recipes import report
 
 RESAMPLES = 4000
 LEVEL = 0.95
+# Test-loss targets for steps-to-target: between the context-free baseline (5.93) and the best
+# final losses (5.34), each reached by batch 16 after its first evaluation (at 480 steps).
+STEP_TARGETS = (5.7, 5.6, 5.5)
+# A doubling of the batch "pays" while it cuts the steps to a target to 2/3 or less.
+PAYING_DOUBLING = 2 / 3
 
 
 def arms(results: dict) -> dict[str, list[float]]:
@@ -95,6 +100,75 @@ def gain_kept(results: dict, table: dict | None = None) -> dict[str, dict[int, f
     for arm, cells in table.items()
     if b_min in cells
   }
+
+
+def steps_to_target(results: dict, arm: str, target: float) -> dict[int, float | None]:
+  """Batch -> optimizer steps until the arm's test loss (mean over its seeds) first reaches
+  ``target``, interpolated linearly between evaluations; None where it never does.
+
+  Shallue et al. (2019) measure this with the schedule tuned for each target; here each run's
+  schedule is the one tuned for the final loss of the whole budget, so a run that reaches the
+  target early would have reached it with fewer steps under a shorter schedule: an upper bound.
+  """
+  family, out = report.FAMILY[arm], {}
+  for b in results["config"]["batches"]:
+    seeds, _ = losses(results, arm, b)
+    factor = arms(results)[arm][results["config"]["batches"].index(b)]
+    runs = [
+      r
+      for r in results["runs"]
+      if (r["family"], r["batch"], r["factor"]) == (family, b, factor) and r["seed"] in seeds
+    ]
+    if not runs:
+      continue
+    curve = np.nanmean([[np.nan if x is None else x for x in r["test"]] for r in runs], axis=0)
+    steps = np.asarray(runs[0]["samples"], float) / b
+    out[b] = _first_crossing(steps, curve, target)
+  return out
+
+
+def _first_crossing(steps: np.ndarray, curve: np.ndarray, target: float) -> float | None:
+  below = np.flatnonzero(curve <= target)
+  if not below.size:
+    return None
+  i = below[0]
+  if i == 0:
+    return float(steps[0])
+  x0, x1, y0, y1 = steps[i - 1], steps[i], curve[i - 1], curve[i]
+  return float(x0 + (x1 - x0) * (y0 - target) / (y0 - y1))
+
+
+def largest_paying_batch(steps: dict[int, float | None]) -> int | None:
+  """The largest batch B reached by doublings from the smallest that each took the steps to the
+  target to `PAYING_DOUBLING` or less of the previous batch's (None: not even the first)."""
+  batches, last = sorted(steps), None
+  for small, big in zip(batches, batches[1:], strict=False):
+    if steps[small] is None or steps[big] is None or steps[big] > PAYING_DOUBLING * steps[small]:
+      break
+    last = big
+  return last
+
+
+def format_steps_to_target(
+  results: dict, targets=STEP_TARGETS, protocol="retuned per batch"
+) -> str:
+  """Markdown: steps to each target per optimizer and batch, and the largest paying batch."""
+  batches = results["config"]["batches"]
+  lines = [
+    f"Optimizer steps until the test loss (mean over seeds, both {protocol}) first reaches a "
+    f"target; '-': never within the budget. Last column: the largest batch up to which every "
+    f"doubling cut the steps to {PAYING_DOUBLING:.2f} or less.",
+    "",
+    "| target | optimizer | " + " | ".join(f"B={b}" for b in batches) + " | paying up to |",
+    "|---:|---|" + "---:|" * (len(batches) + 1),
+  ]
+  for target in targets:
+    for family, label in report.OPTIMIZERS.items():
+      steps = steps_to_target(results, report.arm_name(family, protocol), target)
+      cells = ["-" if steps.get(b) is None else f"{steps[b]:.0f}" for b in batches]
+      paying = largest_paying_batch(steps)
+      lines.append(f"| {target:.2f} | {label} | " + " | ".join(cells) + f" | {paying or '-'} |")
+  return "\n".join(lines)
 
 
 def _interval(c: dict) -> str:

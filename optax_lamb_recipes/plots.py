@@ -101,6 +101,55 @@ def loss_vs_samples(results: dict, ax, arms=None) -> None:
   ax.set_title(f"Loss vs samples (mean over {n} seed{'s' * (n > 1)}; first evaluation not shown)")
 
 
+def steps_to_target(results: dict, ax, targets, protocol: str = "retuned per batch") -> None:
+  """Steps to reach each test-loss target against batch size, log-log (Shallue et al. 2019):
+  perfect scaling halves the steps when the batch doubles (the dotted slope). Colour = target,
+  solid = LAMB, dashed = AdamW; a batch whose runs never reach a target has no point."""
+  colours = dict(zip(targets, ("C0", "C1", "C2", "C3"), strict=False))
+  batches = np.array(results["config"]["batches"], float)
+  for target in targets:
+    for family in report.OPTIMIZERS:
+      arm = report.arm_name(family, protocol)
+      got = analysis.steps_to_target(results, arm, target)
+      b = [k for k, v in got.items() if v is not None]
+      ls = "-" if family == "lamb" else "--"
+      ax.plot(b, [got[k] for k in b], ls, marker="o", ms=3,
+              color=colours[target], label=f"{report.OPTIMIZERS[family]}, loss {target:.2f}")  # fmt: skip
+  anchor = analysis.steps_to_target(results, report.arm_name("lamb", protocol), max(targets))
+  if anchor.get(batches[0]):
+    ax.plot(batches, anchor[batches[0]] * batches[0] / batches, "k:", lw=1, label="perfect scaling")
+  ax.set_yscale("log")
+  _log2_batches(ax, batches)
+  ax.set_ylabel("optimizer steps to reach the target")
+  ax.set_title(f"Steps to a test-loss target (both {protocol}; mean over seeds)")
+  ax.legend(fontsize=7, ncol=2)
+
+
+def search_trials(search_results: dict, axes) -> None:
+  """Each random-search trial's final validation loss (first seed) against its peak learning
+  rate, one panel per batch; the chosen trial circled. Shows how flat each optimizer's optimum is."""
+  first = search_results["search"]["seeds"][0]
+  chosen = {(c["family"], c["batch"]): c["trial"] for c in search_results["chosen"]}
+  batches = sorted({b for _, b in chosen})
+  for ax, b in zip(axes, batches, strict=True):
+    for family, label in report.OPTIMIZERS.items():
+      runs = [
+        r
+        for r in search_results["runs"]
+        if (r["seed"], r["family"], r["batch"]) == (first, family, b)
+      ]
+      lrs = [r["peak_lr"] for r in runs]
+      val = [r["validation"][-1] if r["validation"][-1] is not None else np.nan for r in runs]
+      ax.scatter(lrs, val, color=COLOUR[family], s=14, label=f"{label} ({len(runs)} trials)")
+      best = [r for r in runs if r["trial"] == chosen.get((family, b))]
+      if best:
+        ax.scatter([best[0]["peak_lr"]], [best[0]["validation"][-1]], s=80,
+                   facecolors="none", edgecolors=COLOUR[family])  # fmt: skip
+    ax.set_xscale("log")
+    ax.set(xlabel="peak learning rate", ylabel="final validation loss (nats)", title=f"B={b}")
+    ax.legend(fontsize=8)
+
+
 STEPS_OF = {"trust_ratios": "trust_ratio_steps", "relative_steps": "relative_step_steps"}
 
 

@@ -239,6 +239,36 @@ def format_chosen(results: dict) -> str:
   return "\n".join(lines)
 
 
+def format_compute(results: dict) -> str:
+  """One sentence: the budget (trials, spaces), runs, wall and CPU time, machine, dates."""
+  sessions = results["sessions"]
+  m = sessions[-1]["machine"]
+  dates = sorted({s["date"] for s in sessions})
+  ranges = lambda space: ", ".join(f"{k} {lo:g} to {hi:g}" for k, (lo, hi) in space.items())
+  return (
+    f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly "
+    f"(LAMB: {ranges(results['search']['spaces']['lamb'])}; AdamW: "
+    f"{ranges(results['search']['spaces']['adamw'])}; factor on the square-root-rule learning "
+    f"rate, warm-up as a fraction of the steps), scored on validation with seed "
+    f"{results['search']['seeds'][0]}, the best rerun on seeds "
+    f"{', '.join(map(str, results['search']['seeds'][1:]))}: {len(results['runs'])} runs, "
+    f"{results['wall_seconds'] / 60:.0f} min wall and {results['cpu_seconds'] / 60:.0f} min CPU "
+    f"in {len(sessions)} session(s) on {m['cpus']} CPUs ({m['cpu']}), {' to '.join(dates[:1] + dates[1:][-1:])}"
+  )
+
+
+def format_report(results: dict) -> str:
+  """Markdown: the paired table, the chosen trials, the compute."""
+  return (
+    format_table(results)
+    + "\n\nThe chosen trials (validation loss with the first seed):\n\n"
+    + format_chosen(results)
+    + "\n\n"
+    + format_compute(results)
+    + "."
+  )
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__.split("\n")[0],
@@ -258,7 +288,7 @@ def main(argv=None):
       previous = json.load(f)
     print(f"resuming {out}: {len(previous['runs'])} runs done")
   results = run_search(cfg, out=out, previous=previous)
-  print(format_chosen(results) + "\n\n" + format_table(results))
+  print(format_report(results))
   print(f"\nresults: {out}")
 
 
