@@ -171,6 +171,29 @@ def format_steps_to_target(
   return "\n".join(lines)
 
 
+def steps_findings(results: dict, targets=STEP_TARGETS, protocol="retuned per batch") -> str:
+  """One paragraph from the steps-to-target table: the largest paying batch per optimizer, and
+  at how many (batch, target) points each needed fewer steps, or reached a target at all."""
+  steps = {
+    (f, t): steps_to_target(results, report.arm_name(f, protocol), t)
+    for f in report.OPTIMIZERS
+    for t in targets
+  }
+  points = [(t, b) for t in targets for b in results["config"]["batches"]]
+  reached = lambda f, t, b: steps[f, t].get(b) is not None  # noqa: E731
+  both = [(t, b) for t, b in points if reached("lamb", t, b) and reached("adamw", t, b)]
+  lamb_fewer = sum(steps["lamb", t][b] < steps["adamw", t][b] for t, b in both)
+  only = lambda f, g: sum(reached(f, t, b) and not reached(g, t, b) for t, b in points)  # noqa: E731
+  largest = lambda f: ", ".join(str(largest_paying_batch(steps[f, t]) or "-") for t in targets)  # noqa: E731
+  return (
+    f"Steps to test loss {'/'.join(f'{t:.2f}' for t in targets)} (both {protocol}): doubling "
+    f"the batch cut the steps to {PAYING_DOUBLING:.2f} or less up to B={largest('lamb')} for "
+    f"LAMB and B={largest('adamw')} for AdamW. Where both reached a target, LAMB took fewer steps "
+    f"at {lamb_fewer} of {len(both)} (target, batch) points; LAMB reached a target AdamW never "
+    f"did at {only('lamb', 'adamw')} points, AdamW one LAMB never did at {only('adamw', 'lamb')}."
+  )
+
+
 def _interval(c: dict) -> str:
   return f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
 
@@ -229,22 +252,27 @@ def format_compute(results: dict) -> str:
   )
 
 
+def sides_of_zero(by_batch: dict[int, dict]) -> str:
+  """The batches whose LAMB-minus-AdamW interval lies below zero (LAMB better), above zero (AdamW
+  better), or spans it, as one clause each."""
+  parts = []
+  for label, keep in (
+    ("LAMB better", lambda d: d["high"] < 0),
+    ("AdamW better", lambda d: d["low"] > 0),
+    ("no difference resolved", lambda d: d["low"] <= 0 <= d["high"]),
+  ):
+    batches = [str(b) for b, d in by_batch.items() if keep(d)]
+    if batches:
+      parts.append(f"{label} at B={', '.join(batches)}")
+  return "; ".join(parts)
+
+
 def findings(results: dict) -> list[str]:
-  """Per protocol, one sentence: the batches where the interval of LAMB minus AdamW is below
-  zero (LAMB better), above zero (AdamW better), or spans it."""
-  out = []
-  for protocol, by_batch in paired_differences(results).items():
-    parts = []
-    for label, keep in (
-      ("LAMB better", lambda d: d["high"] < 0),
-      ("AdamW better", lambda d: d["low"] > 0),
-      ("no difference resolved", lambda d: d["low"] <= 0 <= d["high"]),
-    ):
-      batches = [str(b) for b, d in by_batch.items() if keep(d)]
-      if batches:
-        parts.append(f"{label} at B={', '.join(batches)}")
-    out.append(f"Both {protocol}: " + "; ".join(parts) + ".")
-  return out
+  """Per protocol, one sentence: where LAMB minus AdamW lies relative to zero (`sides_of_zero`)."""
+  return [
+    f"Both {protocol}: {sides_of_zero(by_batch)}."
+    for protocol, by_batch in paired_differences(results).items()
+  ]
 
 
 def format_report(results: dict) -> str:

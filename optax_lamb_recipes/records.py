@@ -58,6 +58,29 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
   return d
 
 
+def resumable_job(argv, doc: str, epilog: str, choices, default_out, default_preset: str):
+  """The command line of a job that resumes its results file: ``--preset``, ``--out``,
+  ``--restart``. Returns the preset's name, the output path and the previous results (or None)."""
+  import argparse
+
+  parser = argparse.ArgumentParser(
+    description=doc.split("\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    epilog=epilog,
+  )
+  parser.add_argument("--preset", choices=sorted(choices), default=default_preset)
+  parser.add_argument("--out", help="results JSON, resumed when it exists (default: per preset)")
+  parser.add_argument("--restart", action="store_true", help="ignore an existing --out")
+  args = parser.parse_args(argv)
+  out = args.out or default_out[args.preset]
+  previous = None
+  if os.path.exists(out) and not args.restart:
+    with open(out) as f:
+      previous = json.load(f)
+    print(f"resuming {out}: {len(previous['runs'])} runs done")
+  return args.preset, out, previous
+
+
 def write_json(results: dict, path: str) -> None:
   """Replace ``path`` in one step, so that a killed run leaves the previous file whole."""
   tmp = path + ".tmp"

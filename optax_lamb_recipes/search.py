@@ -15,9 +15,7 @@ written after every group of runs; running the command again resumes where it st
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import time
@@ -216,6 +214,12 @@ def format_table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def findings(results: dict) -> str:
+  """One sentence: where the searched LAMB minus AdamW lies relative to zero, at 95%."""
+  by_batch = {b: row["difference"] for b, row in table(results).items()}
+  return f"Both searched: {analysis.sides_of_zero(by_batch)}."
+
+
 def format_chosen(results: dict) -> str:
   """Markdown: the chosen trial of each optimizer and batch, and its validation loss."""
   lines = [
@@ -270,24 +274,14 @@ def format_report(results: dict) -> str:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.split("\n")[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    epilog="The claim preset trains 64 runs (48 trials, then 16 reruns of the chosen ones); "
-    "measured times are in the results' sessions. The ci preset takes seconds.",
+  epilog = (
+    "The claim preset trains 64 runs (48 trials, then 16 reruns of the chosen ones); "
+    "measured times are in the results' sessions. The ci preset takes seconds."
   )
-  parser.add_argument("--preset", choices=sorted(PRESETS), default=presets.default_preset())
-  parser.add_argument("--out", help="results JSON, resumed when it exists (default: per preset)")
-  parser.add_argument("--restart", action="store_true", help="ignore an existing --out")
-  args = parser.parse_args(argv)
-  cfg = PRESETS[args.preset]
-  out = args.out or DEFAULT_OUT[cfg.name]
-  previous = None
-  if os.path.exists(out) and not args.restart:
-    with open(out) as f:
-      previous = json.load(f)
-    print(f"resuming {out}: {len(previous['runs'])} runs done")
-  results = run_search(cfg, out=out, previous=previous)
+  name, out, previous = records.resumable_job(
+    argv, __doc__, epilog, PRESETS, DEFAULT_OUT, presets.default_preset()
+  )
+  results = run_search(PRESETS[name], out=out, previous=previous)
   print(format_report(results))
   print(f"\nresults: {out}")
 
