@@ -1,5 +1,5 @@
-"""Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`) and the
-recipe's claim study (`notebooks/results/study.json`).
+"""Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`), the
+recipe's claim study (`notebooks/results/study.json`) and its random search (`search.json`).
 
 The docs build writes `benchmark_tables` into the benchmarks page. The README and
 `docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
@@ -125,13 +125,49 @@ def study_report(study_path: str) -> str:
   return analysis.format_report(results) + f"\n\n{analysis.format_compute(results)}."
 
 
+def steps_to_target(study_path: str, table: bool) -> str:
+  """The steps-to-target findings (and, with `table`, the table they come from)."""
+  from optax_lamb_recipes import analysis
+
+  results = _load(study_path)
+  text = analysis.steps_findings(results)
+  return analysis.format_steps_to_target(results) + "\n\n" + text if table else text
+
+
+def search_summary(search_path: str, full: bool) -> str:
+  """The random search: the paired table and its finding (with `full`: the chosen trials and
+  the budget too)."""
+  from optax_lamb_recipes import search
+
+  results = _load(search_path)
+  if full:
+    return search.format_report(results) + "\n\nAt 95%: " + search.findings(results)
+  return (
+    search.format_table(results)
+    + "\n\nAt 95%: "
+    + search.findings(results)
+    + f" ({len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall, "
+    f"`notebooks/results/{os.path.basename(search_path)}`)."
+  )
+
+
 def _blocks(root: str) -> dict[str, dict[str, str]]:
   """File -> block name -> its content, rendered now from the committed results."""
   results = os.path.join(root, "benchmarks", "results")
   study = os.path.join(root, "notebooks", "results", "study.json")
+  searched = os.path.join(root, "notebooks", "results", "search.json")
   return {
-    "README.md": {"headline figures": headline(results), "recipe study": study_summary(study)},
-    os.path.join("docs", "recipe.md"): {"recipe study": study_report(study)},
+    "README.md": {
+      "headline figures": headline(results),
+      "recipe study": study_summary(study),
+      "steps to target": steps_to_target(study, table=False),
+      "random search": search_summary(searched, full=False),
+    },
+    os.path.join("docs", "recipe.md"): {
+      "recipe study": study_report(study),
+      "steps to target": steps_to_target(study, table=True),
+      "random search": search_summary(searched, full=True),
+    },
   }
 
 
