@@ -27,19 +27,18 @@ def arms(results: dict) -> dict[str, list[float]]:
   return results["tuning"]["chosen_factors"]
 
 
+def arm_runs(results: dict, arm: str, batch: int) -> list[dict]:
+  """The runs (one per seed) an arm reports at ``batch``, by seed."""
+  factors = results.get("chosen_factors") or results["tuning"]["chosen_factors"]
+  factor = factors[arm][results["config"]["batches"].index(batch)]
+  key = (report.FAMILY[arm], batch, factor)
+  runs = (r for r in results["runs"] if (r["family"], r["batch"], r["factor"]) == key)
+  return sorted(runs, key=lambda r: r["seed"])
+
+
 def losses(results: dict, arm: str, batch: int) -> tuple[list[int], np.ndarray]:
   """``(seeds, L)``: L[i, q] is the loss on test sequence q of the arm's run with seeds[i]."""
-  family = report.FAMILY[arm]
-  factor = arms(results)[arm][results["config"]["batches"].index(batch)]
-  at = sorted(
-    (
-      r
-      for r in results["runs"]
-      if (r["family"], r["batch"], r["factor"]) == (family, batch, factor)
-    ),
-    key=lambda r: r["seed"],
-  )
-  at = [r for r in at if r.get("test_per_sequence") is not None]
+  at = [r for r in arm_runs(results, arm, batch) if r.get("test_per_sequence") is not None]
   return [r["seed"] for r in at], np.array([r["test_per_sequence"] for r in at], float)
 
 
@@ -110,15 +109,9 @@ def steps_to_target(results: dict, arm: str, target: float) -> dict[int, float |
   schedule is the one tuned for the final loss of the whole budget, so a run that reaches the
   target early would have reached it with fewer steps under a shorter schedule: an upper bound.
   """
-  family, out = report.FAMILY[arm], {}
+  out = {}
   for b in results["config"]["batches"]:
-    seeds, _ = losses(results, arm, b)
-    factor = arms(results)[arm][results["config"]["batches"].index(b)]
-    runs = [
-      r
-      for r in results["runs"]
-      if (r["family"], r["batch"], r["factor"]) == (family, b, factor) and r["seed"] in seeds
-    ]
+    runs = arm_runs(results, arm, b)
     if not runs:
       continue
     curve = np.nanmean([[np.nan if x is None else x for x in r["test"]] for r in runs], axis=0)

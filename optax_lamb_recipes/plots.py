@@ -27,13 +27,7 @@ def _batch_colours(batches):
   return {b: cmap(i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
 
 
-def arm_runs(results: dict, arm: str, batch: int) -> list[dict]:
-  """The runs (one per seed) an arm reports at ``batch``."""
-  factors = results.get("chosen_factors") or results["tuning"]["chosen_factors"]
-  factor = factors[arm][results["config"]["batches"].index(batch)]
-  key = (report.FAMILY[arm], batch, factor)
-  runs = (r for r in results["runs"] if (r["family"], r["batch"], r["factor"]) == key)
-  return sorted(runs, key=lambda r: r["seed"])
+arm_runs = analysis.arm_runs  # the runs an arm reports at a batch (the notebook uses it here)
 
 
 def _baseline_lines(results: dict, ax) -> None:

@@ -58,17 +58,20 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
   return d
 
 
-def resumable_job(argv, doc: str, epilog: str, choices, default_out, default_preset: str):
-  """The command line of a job that resumes its results file: ``--preset``, ``--out``,
-  ``--restart``. Returns the preset's name, the output path and the previous results (or None)."""
+def resumable_job(argv, doc: str, epilog: str, choices, default_out):
+  """The command line of a job that resumes its results file: ``--preset`` (default
+  `presets.default_preset`), ``--out``, ``--restart``. Returns the preset's name, the output path
+  and the previous results (or None)."""
   import argparse
+
+  from optax_lamb_recipes import presets
 
   parser = argparse.ArgumentParser(
     description=doc.split("\n")[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     epilog=epilog,
   )
-  parser.add_argument("--preset", choices=sorted(choices), default=default_preset)
+  parser.add_argument("--preset", choices=sorted(choices), default=presets.default_preset())
   parser.add_argument("--out", help="results JSON, resumed when it exists (default: per preset)")
   parser.add_argument("--restart", action="store_true", help="ignore an existing --out")
   args = parser.parse_args(argv)

@@ -131,10 +131,11 @@ def run_search(cfg: SearchConfig, *, out: str, previous: dict | None = None) -> 
   runs = list(previous["runs"]) if previous else []
   earlier = list(previous["sessions"]) if previous else []
   have = {(r["seed"], r["family"], r["batch"], r["trial"]) for r in runs}
+  data = splits.load_data(cfg.sweep, cfg.seeds[0])[3]  # the data's summary, for the results
 
   def save(group):
     runs.extend(group)
-    records.write_json(_results(cfg, runs, earlier + [records.session(start)]), out)
+    records.write_json(_results(cfg, data, runs, earlier + [records.session(start)]), out)
     r = group[0]
     print(f"seed {r['seed']} {r['family']} B={r['batch']}: {r['group_seconds']:.0f} s", flush=True)
 
@@ -149,11 +150,10 @@ def run_search(cfg: SearchConfig, *, out: str, previous: dict | None = None) -> 
         if which:
           _train(cfg, seed, family, b, which, save)
   sessions = earlier + [records.session(start)] if len(runs) > len(have) else earlier
-  return _results(cfg, runs, sessions)
+  return _results(cfg, data, runs, sessions)
 
 
-def _results(cfg: SearchConfig, runs: list[dict], sessions: list[dict]) -> dict:
-  data = splits.load_data(cfg.sweep, cfg.seeds[0])[3]
+def _results(cfg: SearchConfig, data: dict, runs: list[dict], sessions: list[dict]) -> dict:
   return {
     "search": {"name": cfg.name, "trials": cfg.trials, "seeds": list(cfg.seeds), "spaces": SPACES},
     "config": dataclasses.asdict(cfg.sweep),
@@ -278,9 +278,7 @@ def main(argv=None):
     "The claim preset trains 64 runs (48 trials, then 16 reruns of the chosen ones); "
     "measured times are in the results' sessions. The ci preset takes seconds."
   )
-  name, out, previous = records.resumable_job(
-    argv, __doc__, epilog, PRESETS, DEFAULT_OUT, presets.default_preset()
-  )
+  name, out, previous = records.resumable_job(argv, __doc__, epilog, PRESETS, DEFAULT_OUT)
   results = run_search(PRESETS[name], out=out, previous=previous)
   print(format_report(results))
   print(f"\nresults: {out}")

@@ -103,9 +103,7 @@ def main(argv=None):
     "The claim preset trains 88 runs: 82 minutes on 2 CPU cores for the committed ones (see the "
     "results' sessions). The ci preset takes seconds."
   )
-  name, out, previous = records.resumable_job(
-    argv, __doc__, epilog, PRESETS, DEFAULT_OUT, presets.default_preset()
-  )
+  name, out, previous = records.resumable_job(argv, __doc__, epilog, PRESETS, DEFAULT_OUT)
   cfg = PRESETS[name]
   if cfg.tuning:
     with open(cfg.tuning) as f:
