@@ -101,25 +101,28 @@ def chosen(cfg: SearchConfig, runs: list[dict]) -> dict[tuple[str, int], int]:
   return out
 
 
-def _train(cfg: SearchConfig, seed: int, family: str, b: int, which: list[int], on_group) -> None:
+def train_trials(
+  scfg: SweepConfig, seed: int, family: str, b: int, trials: dict, group: int, on_group
+):
+  """Train ``trials`` (index -> drawn settings) of ``family`` at batch ``b`` on ``seed``,
+  ``group`` side by side; ``on_group(records)`` after each group."""
   from optax_lamb_recipes import train as train_lib
 
-  scfg = cfg.sweep
   train_data, val, test, _ = splits.load_data(scfg, seed)
   trainer = train_lib.Trainer(scfg.model, micro=scfg.micro, seed=seed)
-  drawn = draw_trials(family, b, cfg.trials)
-  for lo in range(0, len(which), cfg.group):
-    idx = which[lo : lo + cfg.group]
-    trials = [drawn[i] for i in idx]
-    lrs = [t["factor"] * presets.base_lrs(scfg, b)[family] for t in trials]
+  idx_all = list(trials)
+  for lo in range(0, len(idx_all), group):
+    idx = idx_all[lo : lo + group]
+    chunk = [trials[i] for i in idx]
+    lrs = [t["factor"] * presets.base_lrs(scfg, b)[family] for t in chunk]
     t0 = time.perf_counter()
-    group = trainer.run(
+    results = trainer.run(
       family, lrs, presets.phases_for(scfg, b, lrs[0]), train_data, val, test=test,
-      evals_per_phase=scfg.evals, trials=trials,
+      evals_per_phase=scfg.evals, trials=chunk,
     )  # fmt: skip
     seconds = time.perf_counter() - t0
     done = []
-    for res, i, t in zip(group, idx, trials, strict=True):
+    for res, i, t in zip(results, idx, chunk, strict=True):
       done.append(records.record(res, t["factor"], seed, seconds, keep_ratios=False))
       done[-1] |= {"trial": i, "hyper": t}
     on_group(done)
@@ -148,7 +151,8 @@ def run_search(cfg: SearchConfig, *, out: str, previous: dict | None = None) -> 
           which = [chosen(cfg, runs)[family, b]]
         which = [i for i in which if (seed, family, b, i) not in have]
         if which:
-          _train(cfg, seed, family, b, which, save)
+          drawn = draw_trials(family, b, cfg.trials)
+          train_trials(cfg.sweep, seed, family, b, {i: drawn[i] for i in which}, cfg.group, save)
   sessions = earlier + [records.session(start)] if len(runs) > len(have) else earlier
   return _results(cfg, data, runs, sessions)
 

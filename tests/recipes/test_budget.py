@@ -1,0 +1,101 @@
+"""Longer training of the searched settings: the runs it trains, resuming, and its summaries."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+
+from helpers.recipes import TINY_SWEEP
+
+from optax_lamb_recipes import budget, search
+
+TINY_SEARCH = search.SearchConfig("tiny", dataclasses.replace(TINY_SWEEP, seeds=(0,)), 2, (0,), 2)
+TINY = budget.BudgetConfig("tiny", "", runs=((2, 0), (2, 1)))
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+  return search.run_search(TINY_SEARCH, out=str(tmp_path_factory.mktemp("s") / "search.json"))
+
+
+def test_trains_the_chosen_settings_longer_on_each_seed_and_resumes(searched, tmp_path):
+  out = str(tmp_path / "budget.json")
+  results = budget.run_budget(TINY, searched, out=out)
+  chosen = budget.chosen_settings(searched)
+  assert len(results["runs"]) == len(TINY.runs) * len(chosen)
+  for r in results["runs"]:
+    (at_1x,) = [
+      s
+      for s in searched["runs"]
+      if (s["family"], s["batch"], s["trial"], s["seed"])
+      == (r["family"], r["batch"], chosen[r["family"], r["batch"]]["trial"], 0)
+    ]
+    assert r["hyper"] == at_1x["hyper"] and r["multiple"] == 2
+    assert r["steps"] == 2 * at_1x["steps"] and r["samples"][-1] == 2 * at_1x["samples"][-1]
+    assert r["peak_lr"] == pytest.approx(at_1x["peak_lr"])
+    # the warm-up is the same fraction of the (longer) run: the peak at that step
+    peak_at = r["lr_steps"][int(np.argmax(r["lr"]))]
+    assert peak_at == max(1, round(r["hyper"]["warmup_frac"] * r["steps"]))
+  partial = dict(results, runs=results["runs"][:2])
+  resumed = budget.run_budget(TINY, searched, out=str(tmp_path / "again.json"), previous=partial)
+  key = lambda r: (r["multiple"], r["seed"], r["family"], r["batch"])
+  assert sorted(map(key, resumed["runs"])) == sorted(map(key, results["runs"]))
+  want = {key(r): r["test_per_sequence"] for r in results["runs"]}
+  for r in resumed["runs"][2:]:
+    np.testing.assert_allclose(r["test_per_sequence"], want[key(r)], rtol=1e-5, err_msg=str(key(r)))
+
+
+def _synthetic(rng):
+  """A results dict of the budget's shape: 2 batches x 2 multiples x 2 optimizers x 3 seeds."""
+  runs = []
+  for b in (16, 512):
+    for m in (1, 4):
+      for f, shift in (("lamb", 0.0), ("adamw", 0.1)):
+        for seed in range(3):
+          per_seq = 5.0 + shift + b / 1000 - 0.05 * m + rng.normal(0, 0.5, 200)
+          test = [6.0, 5.5, 5.3, 5.2, per_seq.mean()]
+          runs.append(
+            {"family": f, "batch": b, "multiple": m, "seed": seed, "trial": 0,
+             "samples": [10, 20, 30, 40, 50], "test": test, "test_per_sequence": per_seq.tolist()}
+          )  # fmt: skip
+  return {
+    "budget": {"runs": [[4, 0], [4, 1], [4, 2]]},
+    "config": {"seq_len": 32, "samples": 50},
+    "data": {"unigram_loss": {"32": 6.0}},
+    "chosen": [{"family": f, "batch": b, "trial": 0} for f in ("lamb", "adamw") for b in (16, 512)],
+    "search_runs_at_1x": [r for r in runs if r["multiple"] == 1],
+    "runs": [r for r in runs if r["multiple"] == 4],
+  }
+
+
+def test_table_differences_flatness_and_gain_kept_against_numpy():
+  results = _synthetic(np.random.default_rng(0))
+  rows = budget.table(results)
+  assert set(rows) == {(16, 1), (16, 4), (512, 1), (512, 4)}
+  per = lambda f, b, m: np.array(
+    [
+      r["test_per_sequence"]
+      for r in results["search_runs_at_1x"] + results["runs"]
+      if (r["family"], r["batch"], r["multiple"]) == (f, b, m)
+    ]
+  )
+  for (b, m), row in rows.items():
+    assert row["lamb"]["mean"] == pytest.approx(per("lamb", b, m).mean())
+    diff = row["difference"]
+    assert diff["mean"] == pytest.approx((per("lamb", b, m) - per("adamw", b, m)).mean())
+    assert diff["low"] < diff["mean"] < diff["high"] and diff["seeds"] == 3
+  # the end of each curve: test loss at the end minus at 80% of the samples
+  assert budget.last_change(results, "lamb", 16, 4, 0) == pytest.approx(
+    results["runs"][0]["test"][-1] - 5.2
+  )
+  assert budget.last_change(results, "lamb", 16, 8, 0) is None
+  kept = budget.gain_kept(results)
+  for m in (1, 4):
+    for f in ("lamb", "adamw"):
+      want = (6.0 - per(f, 512, m).mean()) / (6.0 - per(f, 16, m).mean())
+      assert kept[m][f] == pytest.approx(want)
+  text = budget.format_table(results)
+  assert text.count("\n") == 1 + len(rows)
+  assert any("LAMB better" in s for s in budget.findings(results))
