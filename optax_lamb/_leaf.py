@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -218,28 +217,13 @@ def trust_ratios(param_sq_norms, update_sq_norms, h: Hyperparams, adapted, scale
   """The ratio vector from the plain squared-norm vectors (one slot per leaf or stacked slice).
 
   Every sum must already be summed over its slot's mapped axes; slots of leaves
-  without layer adaptation get ratio 1. ``scaled_sums`` are the slots' sums of
-  squares at the other `_norms.SCALES`, (p down, p up, u down, u up), which
-  `_norms.norm_from_sums` takes where a plain sum over- or underflowed; or a
-  function returning them, then called (under ``lax.cond``) only when an adapted
-  slot's plain sum is suspect, so the common path never computes them.
+  without layer adaptation get ratio 1. ``scaled_sums``: the slots' sums of
+  squares at the other `_norms.SCALES`, or a function returning them, for
+  `_norms.norms_from_sums`, which keeps the norms exact where a plain sum over- or
+  underflowed.
   """
   adapted = np.asarray(adapted, bool)
-
-  def exact(sums):
-    p_down, p_up, u_down, u_up = sums
-    return (
-      _norms.norm_from_sums(param_sq_norms, p_down, p_up),
-      _norms.norm_from_sums(update_sq_norms, u_down, u_up),
-    )
-
-  if callable(scaled_sums):
-    suspect = jnp.logical_or(_norms.suspect(param_sq_norms), _norms.suspect(update_sq_norms))
-    plain = (_norms.safe_sqrt(param_sq_norms), _norms.safe_sqrt(update_sq_norms))
-    rare = jnp.any(jnp.logical_and(suspect, adapted))
-    norms = jax.lax.cond(rare, lambda: exact(scaled_sums()), lambda: plain)
-  else:
-    norms = exact(scaled_sums)
+  norms = _norms.norms_from_sums(param_sq_norms, update_sq_norms, scaled_sums, adapted)
   ratio = trust_ratio(*norms, h)
   return jnp.where(adapted, ratio, jnp.ones_like(ratio))
 

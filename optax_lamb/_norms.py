@@ -188,3 +188,24 @@ def global_norm(leaves: Sequence[Any], names: Sequence[Any]) -> jax.Array:
     return safe_peak * safe_sqrt(sum(jnp.square(n / safe_peak) for n in norms))
 
   return jax.lax.cond(jnp.isinf(sq), rescaled, lambda: safe_sqrt(sq))
+
+
+def norms_from_sums(param_sq_norms, update_sq_norms, scaled_sums, relevant):
+  """(||p||, ||u||) per slot from their plain sums of squares, exact where those over- or
+  underflowed: ``scaled_sums`` are (p down, p up, u down, u up) at the other `SCALES`, or a
+  function returning them, then called (under ``lax.cond``) only when a ``relevant`` slot's plain
+  sum is `suspect`, so the common path never computes them."""
+
+  def exact(sums):
+    p_down, p_up, u_down, u_up = sums
+    return (
+      norm_from_sums(param_sq_norms, p_down, p_up),
+      norm_from_sums(update_sq_norms, u_down, u_up),
+    )
+
+  if not callable(scaled_sums):
+    return exact(scaled_sums)
+  flagged = jnp.logical_or(suspect(param_sq_norms), suspect(update_sq_norms))
+  plain = (safe_sqrt(param_sq_norms), safe_sqrt(update_sq_norms))
+  rare = jnp.any(jnp.logical_and(flagged, relevant))
+  return jax.lax.cond(rare, lambda: exact(scaled_sums()), lambda: plain)

@@ -53,6 +53,17 @@ def bootstrap(table: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0) -
   return {"mean": float(table.mean()), "low": float(lo), "high": float(hi), "seeds": n_seeds}
 
 
+def paired(lamb: tuple[list[int], np.ndarray], adamw: tuple[list[int], np.ndarray], seeds=None):
+  """``lamb``, ``adamw`` and ``difference`` (LAMB minus AdamW), each a `bootstrap` over the seeds
+  both have (and in ``seeds``, when given), paired by seed and test sequence; None if none."""
+  (s1, l1), (s2, l2) = lamb, adamw
+  common = sorted(set(s1) & set(s2) & (set(s1) if seeds is None else set(seeds)))
+  if not common:
+    return None
+  l1, l2 = l1[[s1.index(s) for s in common]], l2[[s2.index(s) for s in common]]
+  return {"lamb": bootstrap(l1), "adamw": bootstrap(l2), "difference": bootstrap(l1 - l2)}
+
+
 def _counts(draws: np.ndarray, n: int) -> np.ndarray:
   """How often each of ``n`` items was drawn in each resample (rows of ``draws``)."""
   return np.stack([np.bincount(row, minlength=n) for row in draws]).astype(float)
@@ -187,7 +198,13 @@ def steps_findings(results: dict, targets=STEP_TARGETS, protocol="retuned per ba
   )
 
 
-def _interval(c: dict) -> str:
+def loss_cell(c: dict) -> str:
+  """A loss as ``mean [low, high]`` (a `bootstrap` result)."""
+  return f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
+
+
+def difference_cell(c: dict) -> str:
+  """A difference as ``+mean [+low, +high]`` (a `bootstrap` result)."""
   return f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
 
 
@@ -202,7 +219,7 @@ def _row(label: str, by_batch: dict, batches, cell) -> str:
 def format_differences(results: dict) -> str:
   """Markdown: LAMB minus AdamW per protocol and batch, mean [95% interval] and seed count."""
   batches = results["config"]["batches"]
-  cell = lambda c: _interval(c) + f" n={c['seeds']}"
+  cell = lambda c: difference_cell(c) + f" n={c['seeds']}"
   lines = [
     "LAMB minus AdamW, final test loss (nats; negative: LAMB better), mean [95% interval], "
     "n seeds:",
@@ -217,14 +234,13 @@ def format_differences(results: dict) -> str:
 def format_arms(results: dict) -> str:
   """Markdown: each arm's final test loss per batch, mean [95% interval]."""
   batches = results["config"]["batches"]
-  cell = lambda c: f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
   lines = [
     "Final test loss per arm (nats), mean [95% interval]:",
     "",
     "| arm | " + " | ".join(f"B={b}" for b in batches) + " |",
     "|---|" + "---:|" * len(batches),
   ]
-  lines += [_row(arm, d, batches, cell) for arm, d in arm_table(results).items()]
+  lines += [_row(arm, d, batches, loss_cell) for arm, d in arm_table(results).items()]
   if baseline(results) is not None:
     lines.append(f"\nContext-free baseline (token frequencies): {baseline(results):.3f} nats")
   return "\n".join(lines)

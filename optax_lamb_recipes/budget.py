@@ -29,17 +29,26 @@ from optax_lamb_recipes.presets import FAMILIES
 class BudgetConfig:
   name: str
   search: str  # the random search's results JSON ("": a fresh ci search, for CI)
-  runs: tuple[tuple[int, int], ...]  # (multiple of the search's samples, seed), in training order
+  # (multiple of the search's samples, seed, batches), in training order
+  runs: tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
 PRESETS = {
-  # The longest budget first on seed 0 (is 4x flat? 8x says), then more seeds at 4x.
+  # Is batch 16 flat at 4x? 8x says; then two more seeds at 4x for intervals, then the curve's
+  # shape (2x), then 8x at the largest batch.
   "claim": BudgetConfig(
     "claim",
     os.path.join("notebooks", "results", "search.json"),
-    runs=((4, 0), (8, 0), (4, 1), (4, 2), (2, 0)),
+    runs=(
+      (4, 0, (16, 512)),
+      (8, 0, (16,)),
+      (4, 1, (16, 512)),
+      (4, 2, (16, 512)),
+      (2, 0, (16,)),
+      (8, 0, (512,)),
+    ),
   ),  # fmt: skip
-  "ci": BudgetConfig("ci", "", runs=((2, 0), (2, 1))),
+  "ci": BudgetConfig("ci", "", runs=((2, 0, (16, 64)), (2, 1, (16, 64)))),
 }
 DEFAULT_OUT = {"claim": os.path.join("notebooks", "results", "budget.json"), "ci": "budget_ci.json"}
 
@@ -70,12 +79,15 @@ def run_budget(cfg: BudgetConfig, searched: dict, *, out: str, previous: dict | 
     runs.extend(g | {"multiple": multiple} for g in group)
     records.write_json(_results(cfg, searched, runs, earlier + [records.session(start)]), out)
     r = group[0]
-    print(f"{multiple}x seed {r['seed']} {r['family']} B={r['batch']}: {r['group_seconds']:.0f} s")
+    print(
+      f"{multiple}x seed {r['seed']} {r['family']} B={r['batch']}: {r['group_seconds']:.0f} s",
+      flush=True,
+    )
 
-  for multiple, seed in cfg.runs:
+  for multiple, seed, batches in cfg.runs:
     longer = dataclasses.replace(scfg, samples=scfg.samples * multiple)
     for (family, b), s in sorted(settings.items(), key=lambda kv: FAMILIES.index(kv[0][0])):
-      if (multiple, seed, family, b) not in have:
+      if b in batches and (multiple, seed, family, b) not in have:
         search.train_trials(
           longer, seed, family, b, {s["trial"]: s["hyper"]}, 1, lambda g, m=multiple: save(g, m)
         )
@@ -121,22 +133,15 @@ def table(results: dict) -> dict[tuple[int, int], dict[str, dict]]:
   """``(batch, multiple)`` -> ``lamb``, ``adamw`` and ``difference`` (LAMB minus AdamW, paired on
   the seeds both have): each a mean with its 95% interval, over at most the seeds of the longer
   runs (the search's extra seeds at 1x are left out, so that every budget has the same seeds)."""
-  seeds = {s for _, s in results["budget"]["runs"]}
+  seeds = {s for _, s, _ in results["budget"]["runs"]}
   out = {}
   batches = sorted({c["batch"] for c in results["chosen"]})
-  multiples = sorted({1} | {m for m, _ in results["budget"]["runs"]})
+  multiples = sorted({1} | {m for m, _, _ in results["budget"]["runs"]})
   for b in batches:
     for m in multiples:
-      (s1, lamb), (s2, adamw) = losses(results, "lamb", b, m), losses(results, "adamw", b, m)
-      common = sorted(set(s1) & set(s2) & seeds)
-      if not common:
-        continue
-      lamb, adamw = lamb[[s1.index(s) for s in common]], adamw[[s2.index(s) for s in common]]
-      out[b, m] = {
-        "lamb": analysis.bootstrap(lamb),
-        "adamw": analysis.bootstrap(adamw),
-        "difference": analysis.bootstrap(lamb - adamw),
-      }
+      row = analysis.paired(losses(results, "lamb", b, m), losses(results, "adamw", b, m), seeds)
+      if row is not None:
+        out[b, m] = row
   return out
 
 
@@ -161,7 +166,6 @@ def last_change(results: dict, family: str, batch: int, multiple: int, seed: int
 def format_table(results: dict) -> str:
   """Markdown: per batch and budget, each optimizer's final test loss and the paired difference,
   and the last 20% of seed 0's test curve."""
-  cell = lambda c: f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
   spc = results["config"]["samples"]
   lines = [
     "| batch | samples | LAMB | AdamW | LAMB minus AdamW | seeds | last 20%: LAMB / AdamW |",
@@ -171,8 +175,8 @@ def format_table(results: dict) -> str:
     d = row["difference"]
     ends = [last_change(results, f, b, m, 0) for f in FAMILIES]
     lines.append(
-      f"| {b} | {m} x {spc:,} | {cell(row['lamb'])} | {cell(row['adamw'])} | "
-      f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['seeds']} | "
+      f"| {b} | {m} x {spc:,} | {analysis.loss_cell(row['lamb'])} | "
+      f"{analysis.loss_cell(row['adamw'])} | {analysis.difference_cell(d)} | {d['seeds']} | "
       + " / ".join("n/a" if e is None else f"{e:+.3f}" for e in ends)
       + " |"
     )
@@ -251,7 +255,7 @@ def format_report(results: dict) -> str:
 
 def main(argv=None):
   epilog = (
-    "The claim preset trains 20 runs, 4 to 8 times as long as the search's; measured times are "
+    "The claim preset trains 16 runs, 2 to 8 times as long as the search's; measured times are "
     "in the results' sessions. The ci preset takes seconds."
   )
   name, out, previous = records.resumable_job(argv, __doc__, epilog, PRESETS, DEFAULT_OUT)

@@ -144,6 +144,32 @@ def search_trials(search_results: dict, axes) -> None:
     ax.legend(fontsize=8)
 
 
+def budget_curves(budget_results: dict, axes, seed: int = 0) -> None:
+  """Test loss against samples of the searched settings at each sample budget (``budget``), one
+  panel per batch, colour = optimizer, darker and solid = longer; the token-frequency baseline."""
+  runs = budget_results["search_runs_at_1x"] + budget_results["runs"]
+  batches = sorted({c["batch"] for c in budget_results["chosen"]})
+  multiples = sorted({r["multiple"] for r in runs})
+  for ax, b in zip(axes, batches, strict=True):
+    for family, label in report.OPTIMIZERS.items():
+      for j, m in enumerate(multiples):
+        run = [
+          r
+          for r in runs
+          if (r["family"], r["batch"], r["multiple"], r["seed"]) == (family, b, m, seed)
+        ]
+        if run:
+          alpha = 0.35 + 0.65 * j / max(1, len(multiples) - 1)
+          ls = "-" if j == len(multiples) - 1 else "--"
+          ax.plot(run[0]["samples"], run[0]["test"], color=COLOUR[family], alpha=alpha, ls=ls,
+                  marker=".", label=f"{label} {m}x")  # fmt: skip
+    _baseline_lines(budget_results, ax)
+    ax.set_xscale("log")
+    ax.set_ylim(top=min(6.2, ax.get_ylim()[1]))
+    ax.set(xlabel="training samples", ylabel="test loss (nats)", title=f"B={b}, seed {seed}")
+    ax.legend(fontsize=8, ncol=2)
+
+
 STEPS_OF = {"trust_ratios": "trust_ratio_steps", "relative_steps": "relative_step_steps"}
 
 

@@ -184,23 +184,15 @@ def losses(results: dict, family: str, batch: int) -> tuple[list[int], np.ndarra
 
 def table(results: dict) -> dict[int, dict[str, dict]]:
   """Batch -> ``lamb`` / ``adamw`` (final test loss of the chosen trial) and ``difference``
-  (LAMB minus AdamW, paired on the seeds both have), each a mean with its interval."""
-  out = {}
-  for b in sorted({c["batch"] for c in results["chosen"]}):
-    (s1, lamb), (s2, adamw) = losses(results, "lamb", b), losses(results, "adamw", b)
-    common = sorted(set(s1) & set(s2))
-    diff = lamb[[s1.index(s) for s in common]] - adamw[[s2.index(s) for s in common]]
-    out[b] = {
-      "lamb": analysis.bootstrap(lamb),
-      "adamw": analysis.bootstrap(adamw),
-      "difference": analysis.bootstrap(diff),
-    }
-  return out
+  (LAMB minus AdamW), on the seeds both have (`analysis.paired`)."""
+  batches = sorted({c["batch"] for c in results["chosen"]})
+  return {
+    b: analysis.paired(losses(results, "lamb", b), losses(results, "adamw", b)) for b in batches
+  }
 
 
 def format_table(results: dict) -> str:
   """Markdown: per batch, each optimizer's searched loss and the paired difference."""
-  cell = lambda c: f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
   lines = [
     f"Random search, {results['search']['trials']} trials per optimizer and batch; final test "
     "loss of the best trial (nats), mean [95% interval], and LAMB minus AdamW (negative: LAMB "
@@ -212,8 +204,8 @@ def format_table(results: dict) -> str:
   for b, row in table(results).items():
     d = row["difference"]
     lines.append(
-      f"| {b} | {cell(row['lamb'])} | {cell(row['adamw'])} | "
-      f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['seeds']} |"
+      f"| {b} | {analysis.loss_cell(row['lamb'])} | {analysis.loss_cell(row['adamw'])} | "
+      f"{analysis.difference_cell(d)} | {d['seeds']} |"
     )
   return "\n".join(lines)
 

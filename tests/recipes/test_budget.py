@@ -12,7 +12,7 @@ from helpers.recipes import TINY_SWEEP
 from optax_lamb_recipes import budget, search
 
 TINY_SEARCH = search.SearchConfig("tiny", dataclasses.replace(TINY_SWEEP, seeds=(0,)), 2, (0,), 2)
-TINY = budget.BudgetConfig("tiny", "", runs=((2, 0), (2, 1)))
+TINY = budget.BudgetConfig("tiny", "", runs=((2, 0, (16, 32)), (2, 1, (16,))))
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,9 @@ def test_trains_the_chosen_settings_longer_on_each_seed_and_resumes(searched, tm
   out = str(tmp_path / "budget.json")
   results = budget.run_budget(TINY, searched, out=out)
   chosen = budget.chosen_settings(searched)
-  assert len(results["runs"]) == len(TINY.runs) * len(chosen)
+  # every optimizer at the batches each entry names
+  assert len(results["runs"]) == 2 * (2 + 1) and len(chosen) == 4
+  assert {(r["seed"], r["batch"]) for r in results["runs"]} == {(0, 16), (0, 32), (1, 16)}
   for r in results["runs"]:
     (at_1x,) = [
       s
@@ -61,7 +63,7 @@ def _synthetic(rng):
              "samples": [10, 20, 30, 40, 50], "test": test, "test_per_sequence": per_seq.tolist()}
           )  # fmt: skip
   return {
-    "budget": {"runs": [[4, 0], [4, 1], [4, 2]]},
+    "budget": {"runs": [[4, 0, [16, 512]], [4, 1, [16, 512]], [4, 2, [16, 512]]]},
     "config": {"seq_len": 32, "samples": 50},
     "data": {"unigram_loss": {"32": 6.0}},
     "chosen": [{"family": f, "batch": b, "trial": 0} for f in ("lamb", "adamw") for b in (16, 512)],
