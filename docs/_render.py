@@ -1,5 +1,6 @@
 """Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`), the
-recipe's claim study (`notebooks/results/study.json`) and its random search (`search.json`).
+recipe's claim study (`notebooks/results/study.json`), its random search (`search.json`) and the
+searched settings trained longer (`budget.json`).
 
 The docs build writes `benchmark_tables` into the benchmarks page. The README and
 `docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
@@ -151,22 +152,41 @@ def search_summary(search_path: str, full: bool) -> str:
   )
 
 
+def budget_summary(budget_path: str, full: bool) -> str:
+  """The searched settings trained longer: the table and findings (with `full`: the compute)."""
+  from optax_lamb_recipes import budget
+
+  results = _load(budget_path)
+  if full:
+    return budget.format_report(results)
+  return (
+    budget.format_table(results)
+    + "\n\n"
+    + " ".join(budget.findings(results))
+    + f" ({len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall, "
+    f"`notebooks/results/{os.path.basename(budget_path)}`)."
+  )
+
+
 def _blocks(root: str) -> dict[str, dict[str, str]]:
   """File -> block name -> its content, rendered now from the committed results."""
   results = os.path.join(root, "benchmarks", "results")
   study = os.path.join(root, "notebooks", "results", "study.json")
   searched = os.path.join(root, "notebooks", "results", "search.json")
+  longer = os.path.join(root, "notebooks", "results", "budget.json")
   return {
     "README.md": {
       "headline figures": headline(results),
       "recipe study": study_summary(study),
       "steps to target": steps_to_target(study, table=False),
       "random search": search_summary(searched, full=False),
+      "longer training": budget_summary(longer, full=False),
     },
     os.path.join("docs", "recipe.md"): {
       "recipe study": study_report(study),
       "steps to target": steps_to_target(study, table=True),
       "random search": search_summary(searched, full=True),
+      "longer training": budget_summary(longer, full=True),
     },
   }
 
