@@ -198,6 +198,11 @@ def steps_findings(results: dict, targets=STEP_TARGETS, protocol="retuned per ba
   )
 
 
+def markdown_row(cells) -> str:
+  """One row of a Markdown table."""
+  return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def loss_cell(c: dict) -> str:
   """A loss as ``mean [low, high]`` (a `bootstrap` result)."""
   return f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"

@@ -15,7 +15,6 @@ every run; running the command again resumes where it stopped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -254,21 +253,18 @@ def format_report(results: dict) -> str:
   )
 
 
+def _job(preset: str, out: str, previous: dict | None) -> dict:
+  cfg = PRESETS[preset]
+  ci_search = lambda: search.run_search(search.PRESETS["ci"], out="search_ci.json")
+  return run_budget(cfg, records.input_results(cfg.search, ci_search), out=out, previous=previous)
+
+
 def main(argv=None):
   epilog = (
     "The claim preset trains 20 runs, 2 to 8 times as long as the search's; measured times are "
     "in the results' sessions. The ci preset takes seconds."
   )
-  name, out, previous = records.resumable_job(argv, __doc__, epilog, PRESETS, DEFAULT_OUT)
-  cfg = PRESETS[name]
-  if cfg.search:
-    with open(cfg.search) as f:
-      searched = json.load(f)
-  else:  # the ci preset searches here, on the tiny ci preset
-    searched = search.run_search(search.PRESETS["ci"], out="search_ci.json")
-  results = run_budget(cfg, searched, out=out, previous=previous)
-  print(format_report(results))
-  print(f"\nresults: {out}")
+  return records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, _job, format_report)
 
 
 if __name__ == "__main__":

@@ -58,10 +58,10 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
   return d
 
 
-def resumable_job(argv, doc: str, epilog: str, choices, default_out):
+def run_resumable(argv, doc: str, epilog: str, choices, default_out, run, report) -> dict:
   """The command line of a job that resumes its results file: ``--preset`` (default
-  `presets.default_preset`), ``--out``, ``--restart``. Returns the preset's name, the output path
-  and the previous results (or None)."""
+  `presets.default_preset`), ``--out``, ``--restart``. Calls ``run(preset, out, previous)``
+  (previous: the results found at ``out``, or None), prints ``report(results)`` and returns them."""
   import argparse
 
   from optax_lamb_recipes import presets
@@ -81,7 +81,19 @@ def resumable_job(argv, doc: str, epilog: str, choices, default_out):
     with open(out) as f:
       previous = json.load(f)
     print(f"resuming {out}: {len(previous['runs'])} runs done")
-  return args.preset, out, previous
+  results = run(args.preset, out, previous)
+  print(report(results))
+  print(f"\nresults: {out}")
+  return results
+
+
+def input_results(path: str, make_ci) -> dict:
+  """The results a job builds on: the committed JSON at ``path``, or ``make_ci()`` (the ci
+  presets, which make theirs in seconds) where ``path`` is empty."""
+  if not path:
+    return make_ci()
+  with open(path) as f:
+    return json.load(f)
 
 
 def write_json(results: dict, path: str) -> None:

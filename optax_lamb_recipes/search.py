@@ -231,11 +231,9 @@ def format_chosen(results: dict) -> str:
       == (first, c["family"], c["batch"], c["trial"])
     )
     h = r["hyper"]
-    lines.append(
-      f"| {c['family']} | {c['batch']} | {r['peak_lr']:.2g} | {h['warmup_frac']:.1%} | "
-      f"{h['b2']:.4f} | {h['weight_decay']:.2g} | {h['eps']:.1g} | "
-      f"{records.final(r, 'validation'):.3f} |"
-    )
+    settings = f"{r['peak_lr']:.2g}", f"{h['warmup_frac']:.1%}", f"{h['b2']:.4f}"
+    rest = f"{h['weight_decay']:.2g}", f"{h['eps']:.1g}", f"{records.final(r, 'validation'):.3f}"
+    lines.append(analysis.markdown_row([c["family"], c["batch"], *settings, *rest]))
   return "\n".join(lines)
 
 
@@ -274,10 +272,8 @@ def main(argv=None):
     "The claim preset trains 64 runs (48 trials, then 16 reruns of the chosen ones); "
     "measured times are in the results' sessions. The ci preset takes seconds."
   )
-  name, out, previous = records.resumable_job(argv, __doc__, epilog, PRESETS, DEFAULT_OUT)
-  results = run_search(PRESETS[name], out=out, previous=previous)
-  print(format_report(results))
-  print(f"\nresults: {out}")
+  run = lambda preset, out, previous: run_search(PRESETS[preset], out=out, previous=previous)
+  records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, run, format_report)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ after every group of runs; running the command again resumes where it stopped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -98,23 +97,20 @@ def _grid_sizes(tuning: dict) -> dict[str, int]:
   return {"lamb": len(tuning["config"]["lamb_grid"]), "adamw": len(tuning["config"]["adamw_grid"])}
 
 
+def _job(preset: str, out: str, previous: dict | None) -> dict:
+  cfg = PRESETS[preset]
+  ci_sweep = lambda: sweep.run_sweep(presets.PRESETS["ci"], progress=False)
+  return run_study(cfg, records.input_results(cfg.tuning, ci_sweep), out=out, previous=previous)
+
+
 def main(argv=None):
+  from optax_lamb_recipes import analysis
+
   epilog = (
     "The claim preset trains 88 runs: 82 minutes on 2 CPU cores for the committed ones (see the "
     "results' sessions). The ci preset takes seconds."
   )
-  name, out, previous = records.resumable_job(argv, __doc__, epilog, PRESETS, DEFAULT_OUT)
-  cfg = PRESETS[name]
-  if cfg.tuning:
-    with open(cfg.tuning) as f:
-      tuning = json.load(f)
-  else:  # the ci preset tunes here, on its own tiny sweep
-    tuning = sweep.run_sweep(presets.PRESETS["ci"], progress=False)
-  results = run_study(cfg, tuning, out=out, previous=previous)
-  from optax_lamb_recipes import analysis
-
-  print(analysis.format_report(results))
-  print(f"\nresults: {out}")
+  records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, _job, analysis.format_report)
 
 
 if __name__ == "__main__":

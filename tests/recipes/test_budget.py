@@ -1,6 +1,7 @@
 """Longer training of the searched settings: the runs it trains, resuming, and its summaries."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -101,3 +102,20 @@ def test_table_differences_flatness_and_gain_kept_against_numpy():
   text = budget.format_table(results)
   assert text.count("\n") == 1 + len(rows)
   assert any("LAMB better" in s for s in budget.findings(results))
+
+
+def test_command_line_resumes_a_finished_file_and_prints_its_report(
+  searched, tmp_path, monkeypatch, capsys
+):
+  path = tmp_path / "search.json"
+  path.write_text(json.dumps(searched))
+  cfg = dataclasses.replace(TINY, search=str(path))
+  out = str(tmp_path / "budget.json")
+  budget.run_budget(cfg, searched, out=out)
+  done = json.loads((tmp_path / "budget.json").read_text())
+  monkeypatch.setitem(budget.PRESETS, "ci", cfg)
+  again = budget.main(["--preset", "ci", "--out", out])
+  assert again["runs"] == done["runs"] and again["sessions"] == done["sessions"]  # nothing trained
+  printed = capsys.readouterr().out
+  assert f"resuming {out}: {len(done['runs'])} runs done" in printed
+  assert budget.format_table(done) in printed and f"results: {out}" in printed
