@@ -214,11 +214,7 @@ def difference_cell(c: dict) -> str:
 
 
 def _row(label: str, by_batch: dict, batches, cell) -> str:
-  return (
-    f"| {label} | "
-    + " | ".join(cell(by_batch[b]) if b in by_batch else "-" for b in batches)
-    + " |"
-  )
+  return markdown_row([label, *(cell(by_batch[b]) if b in by_batch else "-" for b in batches)])
 
 
 def format_differences(results: dict) -> str:

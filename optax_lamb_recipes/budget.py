@@ -171,11 +171,12 @@ def format_table(results: dict) -> str:
   for (b, m), row in table(results).items():
     d = row["difference"]
     ends = [last_change(results, f, b, m, 0) for f in FAMILIES]
+    cells = analysis.loss_cell(row["lamb"]), analysis.loss_cell(row["adamw"])
+    end = " / ".join("n/a" if e is None else f"{e:+.3f}" for e in ends)
     lines.append(
-      f"| {b} | {m} x {spc:,} | {analysis.loss_cell(row['lamb'])} | "
-      f"{analysis.loss_cell(row['adamw'])} | {analysis.difference_cell(d)} | {d['seeds']} | "
-      + " / ".join("n/a" if e is None else f"{e:+.3f}" for e in ends)
-      + " |"
+      analysis.markdown_row(
+        [b, f"{m} x {spc:,}", *cells, analysis.difference_cell(d), d["seeds"], end]
+      )
     )
   return "\n".join(lines)
 

@@ -203,10 +203,8 @@ def format_table(results: dict) -> str:
   ]
   for b, row in table(results).items():
     d = row["difference"]
-    lines.append(
-      f"| {b} | {analysis.loss_cell(row['lamb'])} | {analysis.loss_cell(row['adamw'])} | "
-      f"{analysis.difference_cell(d)} | {d['seeds']} |"
-    )
+    cells = analysis.loss_cell(row["lamb"]), analysis.loss_cell(row["adamw"])
+    lines.append(analysis.markdown_row([b, *cells, analysis.difference_cell(d), d["seeds"]]))
   return "\n".join(lines)
 
 
