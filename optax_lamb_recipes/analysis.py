@@ -127,11 +127,12 @@ def steps_to_target(results: dict, arm: str, target: float) -> dict[int, float |
       continue
     curve = np.nanmean([[np.nan if x is None else x for x in r["test"]] for r in runs], axis=0)
     steps = np.asarray(runs[0]["samples"], float) / b
-    out[b] = _first_crossing(steps, curve, target)
+    out[b] = first_crossing(steps, curve, target)
   return out
 
 
-def _first_crossing(steps: np.ndarray, curve: np.ndarray, target: float) -> float | None:
+def first_crossing(steps: np.ndarray, curve: np.ndarray, target: float) -> float | None:
+  """The step where ``curve`` first reaches ``target``, linear between evaluations; or None."""
   below = np.flatnonzero(curve <= target)
   if not below.size:
     return None

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from optax_lamb_recipes import analysis, presets, records, search
+from optax_lamb_recipes import analysis, presets, records, report, search
 from optax_lamb_recipes.presets import FAMILIES
 
 
@@ -28,12 +28,19 @@ from optax_lamb_recipes.presets import FAMILIES
 class BudgetConfig:
   name: str
   search: str  # the random search's results JSON ("": a fresh ci search, for CI)
-  # (multiple of the search's samples, seed, batches), in training order
-  runs: tuple[tuple[int, int, tuple[int, ...]], ...]
+  # (multiple of the search's samples, seed, batches[, families]), in training order; every
+  # optimizer where families is left out
+  runs: tuple[tuple, ...]
+
+
+def entries(runs) -> list[tuple[int, int, tuple[int, ...], tuple[str, ...]]]:
+  """``BudgetConfig.runs`` (or their JSON lists) with the families filled in."""
+  return [(r[0], r[1], tuple(r[2]), tuple(r[3]) if len(r) > 3 else FAMILIES) for r in runs]
 
 
 PRESETS = {
-  # The longest budget on seed 0 (is 4x flat? 8x says), more seeds at 4x, then the curve's shape.
+  # The longest budget on seed 0 (is 4x flat? 8x says), more seeds at 4x, then the curve's shape;
+  # then 16x, 32x and 64x, since batch 16 still improved at 8x.
   "claim": BudgetConfig(
     "claim",
     os.path.join("notebooks", "results", "search.json"),
@@ -43,6 +50,10 @@ PRESETS = {
       (4, 1, (16, 512)),
       (4, 2, (16, 512)),
       (2, 0, (16, 512)),
+      (16, 0, (16, 512)),  # 8x was still falling: longer, for batch 16 above all
+      (32, 0, (16,)),
+      (64, 0, (16,), ("adamw",)),  # LAMB diverged at 32x with these settings
+      (32, 1, (16,), ("lamb",)),  # does it on another seed?
     ),
   ),  # fmt: skip
   "ci": BudgetConfig("ci", "", runs=((2, 0, (16, 64)), (2, 1, (16, 64)))),
@@ -81,10 +92,10 @@ def run_budget(cfg: BudgetConfig, searched: dict, *, out: str, previous: dict | 
       flush=True,
     )
 
-  for multiple, seed, batches in cfg.runs:
+  for multiple, seed, batches, families in entries(cfg.runs):
     longer = dataclasses.replace(scfg, samples=scfg.samples * multiple)
     for (family, b), s in sorted(settings.items(), key=lambda kv: FAMILIES.index(kv[0][0])):
-      if b in batches and (multiple, seed, family, b) not in have:
+      if b in batches and family in families and (multiple, seed, family, b) not in have:
         search.train_trials(
           longer, seed, family, b, {s["trial"]: s["hyper"]}, 1, lambda g, m=multiple: save(g, m)
         )
@@ -130,10 +141,10 @@ def table(results: dict) -> dict[tuple[int, int], dict[str, dict]]:
   """``(batch, multiple)`` -> ``lamb``, ``adamw`` and ``difference`` (LAMB minus AdamW, paired on
   the seeds both have): each a mean with its 95% interval, over at most the seeds of the longer
   runs (the search's extra seeds at 1x are left out, so that every budget has the same seeds)."""
-  seeds = {s for _, s, _ in results["budget"]["runs"]}
+  seeds = {s for _, s, _, _ in entries(results["budget"]["runs"])}
   out = {}
   batches = sorted({c["batch"] for c in results["chosen"]})
-  multiples = sorted({1} | {m for m, _, _ in results["budget"]["runs"]})
+  multiples = sorted({1} | {m for m, _, _, _ in entries(results["budget"]["runs"])})
   for b in batches:
     for m in multiples:
       row = analysis.paired(losses(results, "lamb", b, m), losses(results, "adamw", b, m), seeds)
@@ -158,6 +169,106 @@ def last_change(results: dict, family: str, batch: int, multiple: int, seed: int
   samples = np.asarray(run["samples"], float)
   at = int(np.argmin(np.abs(samples - 0.8 * samples[-1])))
   return run["test"][-1] - run["test"][at]
+
+
+# Test losses below the plateau (about 5.3 nats at batch 16) that the short budget never reaches.
+TARGETS = (4.5, 4.0, 3.5)
+
+
+def steps_to_target(results: dict, family: str, batch: int, target: float):
+  """``(steps, multiple, seed)``: the fewest optimizer steps, over every run of ``family`` at
+  ``batch`` (each budget and seed), until the test loss first reaches ``target`` (linear between
+  evaluations), and the run that did it; None where none does. Shallue et al. (2019) take the
+  best over tuned settings; here only the schedule's length and the seed vary."""
+  got = []
+  for r in _all_runs(results):
+    if (r["family"], r["batch"]) == (family, batch):
+      steps = np.asarray(r["samples"], float) / batch
+      at = analysis.first_crossing(steps, np.asarray(r["test"], float), target)
+      if at is not None:
+        got.append((at, r["multiple"], r["seed"]))
+  return min(got, default=None)
+
+
+def format_steps_to_target(results: dict, targets=TARGETS) -> str:
+  """Markdown: per target and optimizer, ``steps_to_target`` at the smallest and the largest batch,
+  and how many times fewer steps the largest batch took (perfect scaling: the batch ratio)."""
+  b_min, b_max = (
+    min(c["batch"] for c in results["chosen"]),
+    max(c["batch"] for c in results["chosen"]),
+  )
+  lines = [
+    f"| target | optimizer | steps at B={b_min} (run) | steps at B={b_max} (run) "
+    f"| B={b_min} steps / B={b_max} steps (perfect: {b_max // b_min}) |",
+    "|---:|---|---:|---:|---:|",
+  ]
+  for target in targets:
+    for family in FAMILIES:
+      small, big = (steps_to_target(results, family, b, target) for b in (b_min, b_max))
+      cell = lambda got: "never" if got is None else f"{got[0]:,.0f} ({got[1]}x, seed {got[2]})"  # noqa: E731
+      ratio = f"{small[0] / big[0]:.1f}" if small and big else "n/a"
+      label = report.OPTIMIZERS[family]
+      lines.append(analysis.markdown_row([f"{target:.2f}", label, cell(small), cell(big), ratio]))
+  return "\n".join(lines)
+
+
+def steps_findings(results: dict, targets=TARGETS) -> list[str]:
+  """Per target, one sentence: how many times fewer steps the largest batch took than the smallest
+  (``steps_to_target``), per optimizer, against perfect scaling."""
+  b_min, b_max = (
+    min(c["batch"] for c in results["chosen"]),
+    max(c["batch"] for c in results["chosen"]),
+  )
+  out = []
+  for target in targets:
+    parts = []
+    for family in FAMILIES:
+      small, big = (steps_to_target(results, family, b, target) for b in (b_min, b_max))
+      if small and big:
+        ratio = small[0] / big[0]
+        said = f"{ratio:.1f}x fewer" if ratio >= 1 else f"{1 / ratio:.1f}x more"
+      else:
+        said = {(True, False): f"only B={b_min}", (False, True): f"only B={b_max}"}.get(
+          (bool(small), bool(big)), "neither batch"
+        )
+      parts.append(f"{report.OPTIMIZERS[family]} {said}")
+    out.append(
+      f"Test loss {target:.1f} (fewest steps over the runs), B={b_max} against "
+      f"B={b_min} (perfect scaling: {b_max // b_min}x fewer): {', '.join(parts)}."
+    )
+  return out
+
+
+# A rise of the test loss this far above its best so far (nats; the test set's sampling error is
+# about 0.03) is a divergence, not noise.
+DIVERGED_RISE = 0.5
+
+
+def diverged(results: dict, rise: float = DIVERGED_RISE) -> list[tuple[dict, float]]:
+  """``(run, largest rise of its test loss above its best so far)`` of every run whose rise
+  exceeds ``rise``, in the results' order."""
+  out = []
+  for r in _all_runs(results):
+    test = np.asarray(r["test"], float)
+    worst = float(np.max(test - np.minimum.accumulate(test)))
+    if worst > rise:
+      out.append((r, worst))
+  return out
+
+
+def _diverged_run(results: dict, run: dict, worst: float) -> str:
+  """The diverged run, and how the same settings and budget did on the other seeds."""
+  others = [
+    r
+    for r in _all_runs(results)
+    if (r["family"], r["batch"], r["multiple"]) == (run["family"], run["batch"], run["multiple"])
+    and r["seed"] != run["seed"]
+  ]
+  said = "".join(f", seed {r['seed']} ending at {r['test'][-1]:.3f}" for r in others)
+  return (
+    f"{report.OPTIMIZERS[run['family']]} B={run['batch']} {run['multiple']}x seed {run['seed']} "
+    f"(+{worst:.2f}, ending at {run['test'][-1]:.3f}{said})"
+  )
 
 
 def format_table(results: dict) -> str:
@@ -197,28 +308,49 @@ def gain_kept(results: dict) -> dict[int, dict[str, float]]:
   return out
 
 
+def budget_trend(results: dict, batch: int, seed: int = 0) -> str:
+  """Per optimizer, ``seed``'s final test loss at ``batch`` at each budget, what the last
+  doubling changed and how much the longest run still fell over its last 20%."""
+  parts = []
+  for family in FAMILIES:
+    ends = [
+      (m, run["test"][-1])
+      for m in sorted({r["multiple"] for r in _all_runs(results)})
+      if (run := _run(results, family, batch, m, seed))
+    ]
+    if not ends:
+      continue
+    line = ", ".join(f"{m}x {loss:.3f}" for m, loss in ends)
+    (m1, l1), (m2, l2) = ends[-2] if len(ends) > 1 else ends[-1], ends[-1]
+    if m1 != m2:
+      line += f"; {m1}x to {m2}x: {l2 - l1:+.3f}"
+    line += f"; last 20% of {m2}x: {last_change(results, family, batch, m2, seed):+.3f}"
+    parts.append(f"{report.OPTIMIZERS[family]} {line}")
+  return f"Batch {batch}, seed {seed}, final test loss by budget: " + "; ".join(parts) + " (nats)."
+
+
 def findings(results: dict) -> list[str]:
-  """Sentences: how much batch 16 still gains from the longest budgets, where LAMB minus AdamW
-  lies at each budget, and the share of batch 16's gain kept at the largest batch."""
+  """Sentences: batch 16's final loss at each budget (is it still improving?), where LAMB minus
+  AdamW lies at each budget, divergences, steps to the targets, and the share of batch 16's gain
+  kept at the largest batch."""
   rows = table(results)
   b_min = min(b for b, _ in rows)
   multiples = sorted(m for b, m in rows if b == b_min)
-  out = []
-  if len(multiples) >= 2:
-    m1, m2 = multiples[-2], multiples[-1]
-    ends = {f: [_run(results, f, b_min, m, 0) for m in (m1, m2)] for f in FAMILIES}
-    steps = ", ".join(
-      f"{f} {b['test'][-1] - a['test'][-1]:+.3f}" for f, (a, b) in ends.items() if a and b
-    )
-    out.append(
-      f"Batch {b_min}, final test loss at {m2}x minus at {m1}x the samples (seed 0): {steps} nats."
-    )
+  out = [budget_trend(results, b_min)]
   for m in multiples:
     by_batch = {b: row["difference"] for (b, mm), row in rows.items() if mm == m}
     n = min(d["seeds"] for d in by_batch.values())
     out.append(
       f"At {m}x the samples ({n} seed{'s' if n > 1 else ''}): {analysis.sides_of_zero(by_batch)}."
     )
+  bad = diverged(results)
+  if bad:
+    out.append(
+      f"Diverged (test loss rose more than {DIVERGED_RISE} nats above its best): "
+      + "; ".join(_diverged_run(results, r, worst) for r, worst in bad)
+      + "."
+    )
+  out += steps_findings(results)
   kept = gain_kept(results)
   if kept:
     out.append(
@@ -247,6 +379,8 @@ def format_report(results: dict) -> str:
   return (
     format_table(results)
     + "\n\n"
+    + format_steps_to_target(results)
+    + "\n\n"
     + " ".join(findings(results))
     + "\n\n"
     + format_compute(results)
@@ -261,9 +395,12 @@ def _job(preset: str, out: str, previous: dict | None) -> dict:
 
 
 def main(argv=None):
+  claim = entries(PRESETS["claim"].runs)
+  multiples = sorted({m for m, _, _, _ in claim})
   epilog = (
-    "The claim preset trains 20 runs, 2 to 8 times as long as the search's; measured times are "
-    "in the results' sessions. The ci preset takes seconds."
+    f"The claim preset trains {sum(len(f) * len(b) for _, _, b, f in claim)} runs, "
+    f"{multiples[0]} to {multiples[-1]} times as long as the search's; measured times are in the "
+    "results' sessions. The ci preset takes seconds."
   )
   return records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, _job, format_report)
 

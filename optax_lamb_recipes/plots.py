@@ -170,6 +170,34 @@ def budget_curves(budget_results: dict, axes, seed: int = 0) -> None:
     ax.legend(fontsize=8, ncol=2)
 
 
+def budget_steps(budget_results: dict, ax, targets) -> None:
+  """Fewest steps over the longer-training runs to reach each test-loss target
+  (`budget.steps_to_target`) against batch size, log-log, with perfect scaling from each
+  optimizer's smallest-batch point (dotted). Colour = target, circles and solid = LAMB, squares
+  and dashed = AdamW; a batch whose runs never reach a target has no point."""
+  from optax_lamb_recipes import budget
+
+  colours = dict(zip(targets, ("C0", "C1", "C2", "C3"), strict=False))
+  batches = np.array(sorted({c["batch"] for c in budget_results["chosen"]}), float)
+  for target in targets:
+    for family, label in report.OPTIMIZERS.items():
+      got = {b: budget.steps_to_target(budget_results, family, int(b), target) for b in batches}
+      b = [k for k, v in got.items() if v is not None]
+      ax.plot(b, [got[k][0] for k in b], "-" if family == "lamb" else "--",
+              marker="o" if family == "lamb" else "s", ms=5, color=colours[target],
+              label=f"{label}, loss {target:.1f}")  # fmt: skip
+      if got[batches[0]]:
+        ax.plot(
+          batches, got[batches[0]][0] * batches[0] / batches, ":", color=colours[target], lw=1
+        )
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xticks(batches, [str(int(b)) for b in batches])
+  ax.set(xlabel="batch size", ylabel="optimizer steps to reach the target")
+  ax.set_title("Longer training: fewest steps to a target (dotted: perfect scaling)")
+  ax.legend(fontsize=7, ncol=2)
+
+
 STEPS_OF = {"trust_ratios": "trust_ratio_steps", "relative_steps": "relative_step_steps"}
 
 

@@ -115,9 +115,12 @@ def grid(cfg: SweepConfig, family: str) -> tuple[float, ...]:
   return cfg.lamb_grid if family == "lamb" else cfg.adamw_grid
 
 
-def default_preset() -> str:
-  """``ci`` when ``LAMB_QUICK`` is set (CI's smoke runs), else ``quick``."""
-  return "ci" if os.environ.get("LAMB_QUICK", "") not in ("", "0") else "quick"
+def default_preset(choices=("ci", "quick", "claim")) -> str:
+  """``ci`` when ``LAMB_QUICK`` is set (CI's smoke runs), else ``quick``, or ``claim`` for the jobs
+  (study, search, budget) that have no quick preset."""
+  if os.environ.get("LAMB_QUICK", "") not in ("", "0"):
+    return "ci"
+  return "quick" if "quick" in choices else "claim"
 
 
 def from_json(config: dict) -> SweepConfig:

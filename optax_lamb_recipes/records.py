@@ -60,7 +60,7 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
 
 def run_resumable(argv, doc: str, epilog: str, choices, default_out, run, report) -> dict:
   """The command line of a job that resumes its results file: ``--preset`` (default
-  `presets.default_preset`), ``--out``, ``--restart``. Calls ``run(preset, out, previous)``
+  `presets.default_preset` of ``choices``), ``--out``, ``--restart``. Calls ``run(preset, out, previous)``
   (previous: the results found at ``out``, or None), prints ``report(results)`` and returns them."""
   import argparse
 
@@ -71,7 +71,7 @@ def run_resumable(argv, doc: str, epilog: str, choices, default_out, run, report
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     epilog=epilog,
   )
-  parser.add_argument("--preset", choices=sorted(choices), default=presets.default_preset())
+  parser.add_argument("--preset", choices=sorted(choices), default=presets.default_preset(choices))
   parser.add_argument("--out", help="results JSON, resumed when it exists (default: per preset)")
   parser.add_argument("--restart", action="store_true", help="ignore an existing --out")
   args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ from helpers.recipes import TINY_SWEEP
 from optax_lamb_recipes import budget, search
 
 TINY_SEARCH = search.SearchConfig("tiny", dataclasses.replace(TINY_SWEEP, seeds=(0,)), 2, (0,), 2)
-TINY = budget.BudgetConfig("tiny", "", runs=((2, 0, (16, 32)), (2, 1, (16,))))
+TINY = budget.BudgetConfig("tiny", "", runs=((2, 0, (16, 32)), (2, 1, (16,), ("adamw",))))
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,11 @@ def test_trains_the_chosen_settings_longer_on_each_seed_and_resumes(searched, tm
   out = str(tmp_path / "budget.json")
   results = budget.run_budget(TINY, searched, out=out)
   chosen = budget.chosen_settings(searched)
-  # every optimizer at the batches each entry names
-  assert len(results["runs"]) == 2 * (2 + 1) and len(chosen) == 4
-  assert {(r["seed"], r["batch"]) for r in results["runs"]} == {(0, 16), (0, 32), (1, 16)}
+  # the optimizers each entry names (both where it names none) at the batches it names
+  assert len(chosen) == 4
+  assert sorted((r["seed"], r["batch"], r["family"]) for r in results["runs"]) == [
+    (0, 16, "adamw"), (0, 16, "lamb"), (0, 32, "adamw"), (0, 32, "lamb"), (1, 16, "adamw")
+  ]  # fmt: skip
   for r in results["runs"]:
     (at_1x,) = [
       s
@@ -61,7 +63,8 @@ def _synthetic(rng):
           test = [6.0, 5.5, 5.3, 5.2, per_seq.mean()]
           runs.append(
             {"family": f, "batch": b, "multiple": m, "seed": seed, "trial": 0,
-             "samples": [10, 20, 30, 40, 50], "test": test, "test_per_sequence": per_seq.tolist()}
+             "samples": [m * x for x in (10, 20, 30, 40, 50)], "test": test,
+             "test_per_sequence": per_seq.tolist()}
           )  # fmt: skip
   return {
     "budget": {"runs": [[4, 0, [16, 512]], [4, 1, [16, 512]], [4, 2, [16, 512]]]},
@@ -101,7 +104,14 @@ def test_table_differences_flatness_and_gain_kept_against_numpy():
       assert kept[m][f] == pytest.approx(want)
   text = budget.format_table(results)
   assert text.count("\n") == 1 + len(rows)
-  assert any("LAMB better" in s for s in budget.findings(results))
+  said = budget.findings(results)
+  assert any("LAMB better" in s for s in said)
+  ends = {m: budget._run(results, "adamw", 16, m, 0)["test"][-1] for m in (1, 4)}
+  assert said[0].startswith("Batch 16, seed 0, final test loss by budget: LAMB 1x ")
+  assert (
+    f"AdamW 1x {ends[1]:.3f}, 4x {ends[4]:.3f}; 1x to 4x: {ends[4] - ends[1]:+.3f}; "
+    f"last 20% of 4x: {budget.last_change(results, 'adamw', 16, 4, 0):+.3f} (nats)."
+  ) in said[0]
 
 
 def test_command_line_resumes_a_finished_file_and_prints_its_report(
@@ -119,3 +129,45 @@ def test_command_line_resumes_a_finished_file_and_prints_its_report(
   printed = capsys.readouterr().out
   assert f"resuming {out}: {len(done['runs'])} runs done" in printed
   assert budget.format_table(done) in printed and f"results: {out}" in printed
+  # without --preset and LAMB_QUICK: the claim preset (the job has no quick one)
+  monkeypatch.delenv("LAMB_QUICK", raising=False)
+  monkeypatch.setitem(budget.PRESETS, "claim", cfg)
+  assert budget.main(["--out", out])["runs"] == done["runs"]
+
+
+def test_steps_to_target_takes_the_fewest_steps_over_the_runs():
+  results = _synthetic(np.random.default_rng(0))
+  # every run's curve passes 5.4 halfway between its 2nd and 3rd evaluation (samples 20 and 30
+  # at 1x, 80 and 120 at 4x): the 1x run gets there in fewer steps
+  for b in (16, 512):
+    for f in ("lamb", "adamw"):
+      assert budget.steps_to_target(results, f, b, 5.4) == (pytest.approx(25 / b), 1, 0)
+      assert budget.steps_to_target(results, f, b, 1.0) is None
+  # reached only at 4x, seed 0: that run goes past 3.0 at its last evaluation
+  run = next(r for r in results["runs"] if (r["family"], r["batch"], r["seed"]) == ("lamb", 16, 0))
+  run["test"][-1] = 2.0
+  assert budget.steps_to_target(results, "lamb", 16, 3.0) == (
+    pytest.approx((160 + 40 * 2.2 / 3.2) / 16),
+    4,
+    0,
+  )
+  text = budget.format_steps_to_target(results, targets=(5.4, 3.0))
+  assert "| 5.40 | LAMB | 2 (1x, seed 0) | 0 (1x, seed 0) | 32.0 |" in text
+  assert "| 3.00 | LAMB | 12 (4x, seed 0) | never | n/a |" in text
+  said = budget.steps_findings(results, targets=(5.4, 3.0))
+  assert said[0].endswith("(perfect scaling: 32x fewer): LAMB 32.0x fewer, AdamW 32.0x fewer.")
+  assert said[1].endswith("LAMB only B=16, AdamW neither batch.")
+
+
+def test_a_run_that_rises_far_above_its_best_is_reported_as_diverged():
+  results = _synthetic(np.random.default_rng(0))
+  assert budget.diverged(results) == []  # the synthetic curves only fall
+  run = next(r for r in results["runs"] if (r["family"], r["batch"]) == ("adamw", 512))
+  run["test"] = [6.0, 4.0, 6.5, 5.9, 5.8]  # 2.5 above its best of 4.0
+  ((got, rise),) = budget.diverged(results)
+  assert got is run and rise == pytest.approx(2.5)
+  assert budget.diverged(results, rise=3.0) == []
+  (said,) = [s for s in budget.findings(results) if s.startswith("Diverged")]
+  others = [r for r in results["runs"] if (r["family"], r["batch"]) == ("adamw", 512)][1:]
+  assert "AdamW B=512 4x seed 0 (+2.50, ending at 5.800, seed 1 ending at " in said
+  assert f"seed 2 ending at {others[1]['test'][-1]:.3f})" in said
