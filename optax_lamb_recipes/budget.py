@@ -175,6 +175,16 @@ def last_change(results: dict, family: str, batch: int, multiple: int, seed: int
 TARGETS = (4.5, 4.0, 3.5)
 
 
+def _curve(run: dict, missing: float = np.nan) -> np.ndarray:
+  """A run's test losses, ``missing`` where one was not finite (recorded as None)."""
+  return np.array([missing if x is None else x for x in run["test"]], float)
+
+
+def _batch_range(results: dict) -> tuple[int, int]:
+  batches = [c["batch"] for c in results["chosen"]]
+  return min(batches), max(batches)
+
+
 def steps_to_target(results: dict, family: str, batch: int, target: float):
   """``(steps, multiple, seed)``: the fewest optimizer steps, over every run of ``family`` at
   ``batch`` (each budget and seed), until the test loss first reaches ``target`` (linear between
@@ -184,19 +194,21 @@ def steps_to_target(results: dict, family: str, batch: int, target: float):
   for r in _all_runs(results):
     if (r["family"], r["batch"]) == (family, batch):
       steps = np.asarray(r["samples"], float) / batch
-      at = analysis.first_crossing(steps, np.asarray(r["test"], float), target)
+      at = analysis.first_crossing(steps, _curve(r), target)
       if at is not None:
         got.append((at, r["multiple"], r["seed"]))
   return min(got, default=None)
 
 
+def _steps_at_both_ends(results: dict, family: str, target: float):
+  """`steps_to_target` at the smallest and at the largest batch."""
+  return tuple(steps_to_target(results, family, b, target) for b in _batch_range(results))
+
+
 def format_steps_to_target(results: dict, targets=TARGETS) -> str:
   """Markdown: per target and optimizer, ``steps_to_target`` at the smallest and the largest batch,
   and how many times fewer steps the largest batch took (perfect scaling: the batch ratio)."""
-  b_min, b_max = (
-    min(c["batch"] for c in results["chosen"]),
-    max(c["batch"] for c in results["chosen"]),
-  )
+  b_min, b_max = _batch_range(results)
   lines = [
     f"| target | optimizer | steps at B={b_min} (run) | steps at B={b_max} (run) "
     f"| B={b_min} steps / B={b_max} steps (perfect: {b_max // b_min}) |",
@@ -204,7 +216,7 @@ def format_steps_to_target(results: dict, targets=TARGETS) -> str:
   ]
   for target in targets:
     for family in FAMILIES:
-      small, big = (steps_to_target(results, family, b, target) for b in (b_min, b_max))
+      small, big = _steps_at_both_ends(results, family, target)
       cell = lambda got: "never" if got is None else f"{got[0]:,.0f} ({got[1]}x, seed {got[2]})"  # noqa: E731
       ratio = f"{small[0] / big[0]:.1f}" if small and big else "n/a"
       label = report.OPTIMIZERS[family]
@@ -215,15 +227,12 @@ def format_steps_to_target(results: dict, targets=TARGETS) -> str:
 def steps_findings(results: dict, targets=TARGETS) -> list[str]:
   """Per target, one sentence: how many times fewer steps the largest batch took than the smallest
   (``steps_to_target``), per optimizer, against perfect scaling."""
-  b_min, b_max = (
-    min(c["batch"] for c in results["chosen"]),
-    max(c["batch"] for c in results["chosen"]),
-  )
+  b_min, b_max = _batch_range(results)
   out = []
   for target in targets:
     parts = []
     for family in FAMILIES:
-      small, big = (steps_to_target(results, family, b, target) for b in (b_min, b_max))
+      small, big = _steps_at_both_ends(results, family, target)
       if small and big:
         ratio = small[0] / big[0]
         said = f"{ratio:.1f}x fewer" if ratio >= 1 else f"{1 / ratio:.1f}x more"
@@ -249,7 +258,7 @@ def diverged(results: dict, rise: float = DIVERGED_RISE) -> list[tuple[dict, flo
   exceeds ``rise``, in the results' order."""
   out = []
   for r in _all_runs(results):
-    test = np.asarray(r["test"], float)
+    test = _curve(r, missing=np.inf)  # a loss that stopped being finite diverged
     worst = float(np.max(test - np.minimum.accumulate(test)))
     if worst > rise:
       out.append((r, worst))

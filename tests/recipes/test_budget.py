@@ -167,6 +167,10 @@ def test_a_run_that_rises_far_above_its_best_is_reported_as_diverged():
   ((got, rise),) = budget.diverged(results)
   assert got is run and rise == pytest.approx(2.5)
   assert budget.diverged(results, rise=3.0) == []
+  run["test"] = [6.0, 4.0, None, None, None]  # the loss stopped being finite
+  ((got, rise),) = budget.diverged(results, rise=3.0)
+  assert got is run and rise == np.inf
+  run["test"] = [6.0, 4.0, 6.5, 5.9, 5.8]
   (said,) = [s for s in budget.findings(results) if s.startswith("Diverged")]
   others = [r for r in results["runs"] if (r["family"], r["batch"]) == ("adamw", 512)][1:]
   assert "AdamW B=512 4x seed 0 (+2.50, ending at 5.800, seed 1 ending at " in said
