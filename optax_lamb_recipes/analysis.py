@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from optax_lamb_recipes import report
+from optax_lamb_recipes import records, report
 
 RESAMPLES = 4000
 LEVEL = 0.95
@@ -250,15 +250,10 @@ def format_arms(results: dict) -> str:
 
 def format_compute(results: dict) -> str:
   """One sentence: runs, wall and CPU time, sessions, machine, the tuning grid's size."""
-  sessions = results["sessions"]
-  m = sessions[-1]["machine"]
-  dates = sorted({s["date"] for s in sessions if s.get("date")})
-  when = f", {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else ""
   trials = results["tuning"]["trials_per_batch"]
   return (
-    f"{len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall and "
-    f"{results['cpu_seconds'] / 60:.0f} min CPU in {len(sessions)} session(s) on {m['cpus']} "
-    f"CPUs ({m['cpu']}){when}; learning rates from a grid of {trials['lamb']} (LAMB) and "
+    f"{len(results['runs'])} runs, {records.compute_used(results)}; learning rates from a grid "
+    f"of {trials['lamb']} (LAMB) and "
     f"{trials['adamw']} (AdamW) factors per batch, seed 0, validation split"
   )
 

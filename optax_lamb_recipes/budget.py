@@ -374,27 +374,16 @@ def findings(results: dict) -> list[str]:
 
 
 def format_compute(results: dict) -> str:
-  sessions = results["sessions"]
-  m = sessions[-1]["machine"]
   return (
     f"{len(results['runs'])} runs (the search's chosen settings, 1 x = "
-    f"{results['config']['samples']:,} samples), {results['wall_seconds'] / 60:.0f} min wall and "
-    f"{results['cpu_seconds'] / 60:.0f} min CPU in {len(sessions)} session(s) on {m['cpus']} "
-    f"CPUs ({m['cpu']}), {sessions[-1]['date']}"
+    f"{results['config']['samples']:,} samples), {records.compute_used(results)}"
   )
 
 
 def format_report(results: dict) -> str:
-  return (
-    format_table(results)
-    + "\n\n"
-    + format_steps_to_target(results)
-    + "\n\n"
-    + " ".join(findings(results))
-    + "\n\n"
-    + format_compute(results)
-    + "."
-  )
+  """Markdown: the loss table, the steps to the targets, the findings, the compute."""
+  sections = [format_table(results), format_steps_to_target(results), " ".join(findings(results))]
+  return "\n\n".join(sections + [format_compute(results) + "."])
 
 
 def _job(preset: str, out: str, previous: dict | None) -> dict:

@@ -104,6 +104,18 @@ def write_json(results: dict, path: str) -> None:
   os.replace(tmp, path)
 
 
+def compute_used(results: dict) -> str:
+  """``N min wall and M min CPU in K session(s) on C CPUs (cpu), first date[ to last date]``."""
+  sessions = results["sessions"]
+  m = sessions[-1]["machine"]
+  dates = sorted({s["date"] for s in sessions if s.get("date")})
+  when = f", {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else ""
+  return (
+    f"{results['wall_seconds'] / 60:.0f} min wall and {results['cpu_seconds'] / 60:.0f} min CPU "
+    f"in {len(sessions)} session(s) on {m['cpus']} CPUs ({m['cpu']}){when}"
+  )
+
+
 def session(start: float) -> dict:
   """Wall and CPU time of this process since ``start``, and the machine."""
   return {

@@ -237,9 +237,6 @@ def format_chosen(results: dict) -> str:
 
 def format_compute(results: dict) -> str:
   """One sentence: the budget (trials, spaces), runs, wall and CPU time, machine, dates."""
-  sessions = results["sessions"]
-  m = sessions[-1]["machine"]
-  dates = sorted({s["date"] for s in sessions})
   ranges = lambda space: ", ".join(f"{k} {lo:g} to {hi:g}" for k, (lo, hi) in space.items())
   return (
     f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly "
@@ -248,21 +245,14 @@ def format_compute(results: dict) -> str:
     f"rate, warm-up as a fraction of the steps), scored on validation with seed "
     f"{results['search']['seeds'][0]}, the best rerun on seeds "
     f"{', '.join(map(str, results['search']['seeds'][1:]))}: {len(results['runs'])} runs, "
-    f"{results['wall_seconds'] / 60:.0f} min wall and {results['cpu_seconds'] / 60:.0f} min CPU "
-    f"in {len(sessions)} session(s) on {m['cpus']} CPUs ({m['cpu']}), {' to '.join(dates[:1] + dates[1:][-1:])}"
+    f"{records.compute_used(results)}"
   )
 
 
 def format_report(results: dict) -> str:
   """Markdown: the paired table, the chosen trials, the compute."""
-  return (
-    format_table(results)
-    + "\n\nThe chosen trials (validation loss with the first seed):\n\n"
-    + format_chosen(results)
-    + "\n\n"
-    + format_compute(results)
-    + "."
-  )
+  chosen = "The chosen trials (validation loss with the first seed):\n\n" + format_chosen(results)
+  return "\n\n".join([format_table(results), chosen, format_compute(results) + "."])
 
 
 def main(argv=None):
