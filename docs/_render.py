@@ -147,8 +147,15 @@ def search_summary(search_path: str, full: bool) -> str:
     search.format_table(results)
     + "\n\nAt 95%: "
     + search.findings(results)
-    + f" ({len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall, "
-    f"`notebooks/results/{os.path.basename(search_path)}`)."
+    + _provenance(results, search_path)
+  )
+
+
+def _provenance(results: dict, path: str) -> str:
+  """`` (N runs, M min wall, `notebooks/results/FILE`).``: where a README summary comes from."""
+  return (
+    f" ({len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall, "
+    f"`notebooks/results/{os.path.basename(path)}`)."
   )
 
 
@@ -163,8 +170,7 @@ def budget_summary(budget_path: str, full: bool) -> str:
     budget.format_table(results)
     + "\n\n"
     + " ".join(budget.findings(results))
-    + f" ({len(results['runs'])} runs, {results['wall_seconds'] / 60:.0f} min wall, "
-    f"`notebooks/results/{os.path.basename(budget_path)}`)."
+    + _provenance(results, budget_path)
   )
 
 

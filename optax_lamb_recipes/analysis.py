@@ -125,7 +125,7 @@ def steps_to_target(results: dict, arm: str, target: float) -> dict[int, float |
     runs = arm_runs(results, arm, b)
     if not runs:
       continue
-    curve = np.nanmean([[np.nan if x is None else x for x in r["test"]] for r in runs], axis=0)
+    curve = np.nanmean([records.curve(r, "test") for r in runs], axis=0)
     steps = np.asarray(runs[0]["samples"], float) / b
     out[b] = first_crossing(steps, curve, target)
   return out

@@ -175,11 +175,6 @@ def last_change(results: dict, family: str, batch: int, multiple: int, seed: int
 TARGETS = (4.5, 4.0, 3.5)
 
 
-def _curve(run: dict, missing: float = np.nan) -> np.ndarray:
-  """A run's test losses, ``missing`` where one was not finite (recorded as None)."""
-  return np.array([missing if x is None else x for x in run["test"]], float)
-
-
 def _batch_range(results: dict) -> tuple[int, int]:
   batches = [c["batch"] for c in results["chosen"]]
   return min(batches), max(batches)
@@ -194,7 +189,7 @@ def steps_to_target(results: dict, family: str, batch: int, target: float):
   for r in _all_runs(results):
     if (r["family"], r["batch"]) == (family, batch):
       steps = np.asarray(r["samples"], float) / batch
-      at = analysis.first_crossing(steps, _curve(r), target)
+      at = analysis.first_crossing(steps, records.curve(r, "test"), target)
       if at is not None:
         got.append((at, r["multiple"], r["seed"]))
   return min(got, default=None)
@@ -214,10 +209,10 @@ def format_steps_to_target(results: dict, targets=TARGETS) -> str:
     f"| B={b_min} steps / B={b_max} steps (perfect: {b_max // b_min}) |",
     "|---:|---|---:|---:|---:|",
   ]
+  cell = lambda got: "never" if got is None else f"{got[0]:,.0f} ({got[1]}x, seed {got[2]})"  # noqa: E731
   for target in targets:
     for family in FAMILIES:
       small, big = _steps_at_both_ends(results, family, target)
-      cell = lambda got: "never" if got is None else f"{got[0]:,.0f} ({got[1]}x, seed {got[2]})"  # noqa: E731
       ratio = f"{small[0] / big[0]:.1f}" if small and big else "n/a"
       label = report.OPTIMIZERS[family]
       lines.append(analysis.markdown_row([f"{target:.2f}", label, cell(small), cell(big), ratio]))
@@ -258,7 +253,7 @@ def diverged(results: dict, rise: float = DIVERGED_RISE) -> list[tuple[dict, flo
   exceeds ``rise``, in the results' order."""
   out = []
   for r in _all_runs(results):
-    test = _curve(r, missing=np.inf)  # a loss that stopped being finite diverged
+    test = records.curve(r, "test", missing=np.inf)  # a loss that stopped being finite diverged
     worst = float(np.max(test - np.minimum.accumulate(test)))
     if worst > rise:
       out.append((r, worst))

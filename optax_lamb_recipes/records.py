@@ -29,6 +29,11 @@ def final(run: dict, split: str) -> float:
   return math.inf if x is None else x
 
 
+def curve(run: dict, split: str, missing: float = math.nan) -> np.ndarray:
+  """Every evaluation of ``split``, ``missing`` where the loss was not finite (stored as None)."""
+  return np.array([missing if x is None else x for x in run[split]], float)
+
+
 def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: bool) -> dict:
   d = {
     "seed": seed,

@@ -261,7 +261,7 @@ def main(argv=None):
     "measured times are in the results' sessions. The ci preset takes seconds."
   )
   run = lambda preset, out, previous: run_search(PRESETS[preset], out=out, previous=previous)
-  records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, run, format_report)
+  return records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, run, format_report)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,9 @@ def main(argv=None):
     "The claim preset trains 88 runs: 82 minutes on 2 CPU cores for the committed ones (see the "
     "results' sessions). The ci preset takes seconds."
   )
-  records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, _job, analysis.format_report)
+  return records.run_resumable(
+    argv, __doc__, epilog, PRESETS, DEFAULT_OUT, _job, analysis.format_report
+  )
 
 
 if __name__ == "__main__":
