@@ -9,9 +9,11 @@ a fourth, and the params and state leaves after it. The test
 checks every leaf, and the fourth step, bit for bit: the checkpoint format and
 the step did not change.
 
-    python tests/data/make_checkpoint.py   # from the repository root, with JAX_PLATFORMS=cpu
+    python tests/data/make_checkpoint.py [FOLDER]   # from the repository root
 
-These files were made by optax_lamb at commit e617aff.
+``tests/data/checkpoints`` was made by optax_lamb at commit e617aff (the first four
+configurations), ``tests/data/checkpoints-605f0a2`` at commit 605f0a2 (all of them):
+each folder is read back by the current code with the configurations it holds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import optax_lamb  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "checkpoints"
+FOLDERS = {"e617aff": HERE / "checkpoints", "605f0a2": HERE / "checkpoints-605f0a2"}
 STEPS = 3
 SHAPES = {"w": (3, 4), "b": (4,)}
 
@@ -55,6 +58,18 @@ def configs() -> dict:
       False,
     ),
     "stacked_axes": (optax_lamb.lamb(1e-2, stacked_axes={"w": 1, "b": 0}), jnp.float32, False),
+    # The compat variants' placements (L2, decay of the params, step-size bias correction).
+    "apex_l2": (optax_lamb.compat.apex_fused_lamb(1e-2, adam_w_mode=False), jnp.float32, False),
+    "keras_decoupled": (
+      optax_lamb.compat.keras_lamb(optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.05),
+      jnp.float32,
+      False,
+    ),
+    "deepspeed_skip": (
+      optax_lamb.compat.deepspeed_fused_lamb(1e-2, weight_decay=0.01, skip_nonfinite=True),
+      jnp.float32,
+      True,
+    ),
   }
 
 
@@ -94,14 +109,14 @@ def trained(tx, dtype, with_nan: bool):
   return params, state, grads[STEPS], step(params, state, grads[STEPS])
 
 
-def main() -> None:
+def main(out: Path = OUT) -> None:
   import orbax.checkpoint as ocp
   from flax import serialization
 
-  shutil.rmtree(OUT, ignore_errors=True)
+  shutil.rmtree(out, ignore_errors=True)
   for name, (tx, dtype, with_nan) in configs().items():
     params, state, grads, (next_params, next_state) = trained(tx, dtype, with_nan)
-    folder = OUT / name
+    folder = out / name
     folder.mkdir(parents=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(folder / "orbax", state)
@@ -118,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  main(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else OUT)
