@@ -27,7 +27,7 @@ from benchmarks.implementations import (
   update_and_apply,
   update_then_apply,
 )
-from optax_lamb.backends.pallas import BlockSizes, PallasBackend
+from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 
 VARIANTS = {
   "default": {},
@@ -63,7 +63,7 @@ def _runs(variants: list[str]) -> list[tuple[str, str | None, object, Callable]]
     _, make_tx, make_step = IMPLEMENTATIONS[impl]
     runs.append((row, None, make_tx(), make_step))
   for variant in variants:
-    backend = PallasBackend(block_sizes=BlockSizes(**VARIANTS[variant]))
+    backend = PallasTritonBackend(block_sizes=BlockSizes(**VARIANTS[variant]))
     tx = optax_lamb_builder(implementation=backend)()
     runs.append(("pallas.update", variant, tx, update_then_apply))
     runs.append(("pallas.apply", variant, tx, update_and_apply))

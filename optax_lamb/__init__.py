@@ -1,20 +1,23 @@
 """optax_lamb: the LAMB optimizer for JAX, as Optax transformations."""
 
-from optax_lamb import compat  # other libraries' LAMB: optax_lamb.compat.timm_lamb, ...
+from optax_lamb import (
+  _interop,
+  compat,  # other libraries' LAMB: optax_lamb.compat.timm_lamb, ...
+)
 from optax_lamb._adam import scale_by_adam
 from optax_lamb._clipping import clip_by_global_norm
 from optax_lamb._decay import add_decayed_weights
 from optax_lamb._lamb import lamb
 from optax_lamb._loss_scale import UnscaleGradientsState, unscale_gradients
 from optax_lamb._mixed_precision import MasterWeightsState, master_weights, with_master_weights
+from optax_lamb._plan import ScaleByTrustRatioState
+from optax_lamb._ratios import RatioLayout
 from optax_lamb._skip import SkipCounts, SkipNonFiniteState, skip_counts, skip_nonfinite
-from optax_lamb._trust_ratio import (
-  RatioLayout,
-  ScaleByTrustRatioState,
-  scale_by_trust_ratio,
-  trust_ratios,
-)
+from optax_lamb._trust_ratio import scale_by_trust_ratio, trust_ratios
 from optax_lamb._update_and_apply import update_and_apply
+
+# flax.serialization saves the static layout as nothing and keeps the target's (see _interop).
+_interop.register_layout_with_flax(RatioLayout)
 
 __version__ = "0.2.0"
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _leaf, _tree
+from optax_lamb import _check_args, _checks, _leaf, _ratios
+from optax_lamb._options import LambOptions, StepScalars
 
 
 def scale_by_adam(
@@ -60,31 +63,56 @@ def scale_by_adam(
   _check_args.check_bool("grad_averaging", grad_averaging)
   mu_dtype = _check_args.check_float_dtype("mu_dtype", mu_dtype)
   nu_dtype = _check_args.check_float_dtype("nu_dtype", nu_dtype)
+  return adam_stage(
+    b1, b2, eps, eps_root, bias_correction=bias_correction, grad_averaging=grad_averaging,
+    mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+  )  # fmt: skip
 
-  def init_fn(params):
+
+def adam_stage(
+  b1: Any,
+  b2: Any,
+  eps: Any,
+  eps_root: Any,
+  *,
+  bias_correction: bool,
+  grad_averaging: bool,
+  mu_dtype: Any,
+  nu_dtype: Any,
+  caution: bool = False,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+) -> optax.GradientTransformation:
+  """:func:`scale_by_adam` with checked arguments, and timm's caution (`optax_lamb._leaf.cautious`
+  over each leaf's or stacked slice's kept fraction, counted over `axis_name`)."""
+  options = LambOptions(grad_averaging=grad_averaging, caution=caution)
+
+  def init_fn(params) -> Any:
     return optax.ScaleByAdamState(
       count=jnp.zeros([], jnp.int32),
       mu=optax.tree.zeros_like(params, dtype=mu_dtype),
       nu=optax.tree.zeros_like(params, dtype=nu_dtype),
     )
 
-  def update_fn(updates, state, params=None):
-    del params
-    _tree.check_same_structure(updates, "updates", state.mu, "the optimizer state (mu)")
+  def update_fn(updates, state, params=None) -> tuple[Any, Any]:
+    _checks.check_same_structure(updates, "updates", state.mu, "the optimizer state (mu)")
     count = optax.safe_increment(state.count)
     bc1, bc2 = _leaf.bias_corrections(count, b1, b2, bias_correction)
-    h = _leaf.Hyperparams(
-      b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2, grad_averaging=grad_averaging
-    )
-
-    def leaf(g, m, v):
-      m, v = _leaf.moments(g, m, v, h)
-      return _leaf.adam_direction(m, v, h).astype(g.dtype), m, v
-
-    out = jax.tree.map(leaf, updates, state.mu, state.nu)
-    u, mu, nu = _tree.tree_unzip(out, jax.tree.structure(updates), 3)
-    mu = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state.mu)
-    nu = jax.tree.map(lambda new, old: new.astype(old.dtype), nu, state.nu)
-    return u, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+    s = StepScalars(b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2)
+    treedef: Any = jax.tree.structure(updates)
+    gs, ms, vs = (treedef.flatten_up_to(t) for t in (updates, state.mu, state.nu))
+    moments = [_leaf.moments(g, m, v, options, s) for g, m, v in zip(gs, ms, vs, strict=True)]
+    us = [
+      _leaf.adam_direction(m, v, s).astype(g.dtype) for g, (m, v) in zip(gs, moments, strict=True)
+    ]
+    if caution:
+      axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
+      names = _checks.resolve_axis_names(axis_name, params)
+      kept = [_ratios.caution_fraction(*x) for x in zip(us, gs, axes, names, strict=True)]
+      us = list(map(_leaf.cautious, us, gs, kept))
+    stored = lambda new, old: new.astype(old.dtype)
+    mu = treedef.unflatten([stored(m, old) for (m, _), old in zip(moments, ms, strict=True)])
+    nu = treedef.unflatten([stored(v, old) for (_, v), old in zip(moments, vs, strict=True)])
+    return treedef.unflatten(us), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)

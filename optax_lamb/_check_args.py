@@ -10,6 +10,7 @@ NaN fails every comparison, so each check states what is allowed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any
@@ -17,6 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from optax_lamb import _checks
+from optax_lamb._options import LambConfig, is_axis_name
 
 _BOOLS = (bool, np.bool_)
 
@@ -116,41 +120,9 @@ def check_transformation(name: str, value: Any) -> None:
     raise TypeError(f"{name} must be an optax.GradientTransformation, got {name}={value!r}")
 
 
-# Per-leaf options: None, a callable(params), or a pytree prefix of the params whose
-# leaves are values of one kind (a None leaf takes the default).
-_KINDS = {"bool": "True or False", "int": "an int >= 0"}
-
-
-def _leaf_error(kind: str, leaf: Any) -> type[Exception] | None:
-  """None for a valid value of a per-leaf option of `kind`, else the error to raise."""
-  if kind == "bool":
-    return None if isinstance(leaf, _BOOLS) else TypeError
-  if not isinstance(leaf, numbers.Integral) or isinstance(leaf, _BOOLS):
-    return TypeError
-  return None if leaf >= 0 else ValueError
-
-
-def check_per_leaf_values(name: str, value: Any, kind: str) -> None:
-  """Every leaf of the pytree `value` is of `kind` ("bool" or "int"); None leaves are allowed."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-    error = _leaf_error(kind, leaf)
-    if error is not None:
-      raise error(
-        f"{name} must be None, {_KINDS[kind]}, a pytree of those (a prefix of the params) or a "
-        f"callable(params) returning one; got {name}{jax.tree_util.keystr(path)}={leaf!r}"
-      )
-
-
 def check_per_leaf(name: str, value: Any, kind: str) -> None:
   if value is not None and not callable(value):
-    check_per_leaf_values(name, value, kind)
-
-
-def is_axis_name(x: Any) -> bool:
-  """True for one mapped-axis name (a str), a tuple of names, or None (not sharded)."""
-  if x is None or isinstance(x, str):
-    return True
-  return type(x) is tuple and len(x) > 0 and all(isinstance(a, str) for a in x)
+    _checks.check_per_leaf_values(name, value, kind)
 
 
 def check_axis_name(name: str, value: Any) -> None:
@@ -162,3 +134,24 @@ def check_axis_name(name: str, value: Any) -> None:
         f"{name} must be None, a mapped axis name (str), a tuple of names, a pytree of those "
         f"or a callable(params) returning one; got {name}{jax.tree_util.keystr(path)}={leaf!r}"
       )
+
+
+def check_config(config: LambConfig) -> LambConfig:
+  """The numbers and switches of a lamb configuration that its constructor did not check itself
+  (the stages' arguments), with the moments' dtypes as NumPy dtypes."""
+  o, h, per_leaf = config
+  check_in_unit_interval("b1", h.b1)
+  check_in_unit_interval("b2", h.b2)
+  check_non_negative("eps", h.eps)
+  check_non_negative("eps_root", h.eps_root)
+  check_some_eps("eps", h.eps, "eps_root", h.eps_root)
+  check_bool("bias_correction", o.bias_correction)
+  check_bool("grad_averaging", o.grad_averaging)
+  options = dataclasses.replace(
+    o,
+    mu_dtype=check_float_dtype("mu_dtype", o.mu_dtype),
+    nu_dtype=check_float_dtype("nu_dtype", o.nu_dtype),
+  )
+  check_non_negative("weight_decay", h.weight_decay, schedule=True)
+  check_per_leaf("mask", per_leaf.mask, "bool")
+  return config._replace(options=options)

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _check_args, _leaf, _norms, _tree
+from optax_lamb import _check_args, _checks, _leaf, _ratios
 
 
 def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.GradientTransformation:
@@ -34,18 +34,16 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
   return clip_stage(max_norm, axis_name)
 
 
-def clip_stage(
-  max_norm: Any, axis_name: Any, norm_eps: float = 0.0
-) -> optax.GradientTransformation:
+def clip_stage(max_norm: Any, axis_name: Any, norm_eps: Any = 0.0) -> optax.GradientTransformation:
   """:func:`clip_by_global_norm` with checked arguments, and the variants of `_leaf.clip_factor`.
 
   `max_norm` = 0 zeroes the gradients (apex, timm); `norm_eps` is added to the norm (DeepSpeed).
   """
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None) -> tuple[Any, Any]:
     del params
-    names = _tree.resolve_axis_names(axis_name, updates)
-    norm = _norms.global_norm(jax.tree.leaves(updates), names)
+    names = _checks.resolve_axis_names(axis_name, updates)
+    norm = _ratios.global_norm(jax.tree.leaves(updates), names)
     factor = _leaf.clip_factor(norm, max_norm, norm_eps)
     updates = jax.tree.map(lambda g: _leaf.clip(g, factor), updates)
     return updates, state

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _leaf, _schedule, _tree
+from optax_lamb import _check_args, _checks, _leaf, _options
 
 
 def add_decayed_weights(
@@ -35,19 +35,19 @@ def add_decayed_weights(
   _check_args.check_non_negative("weight_decay", weight_decay, schedule=True)
   _check_args.check_per_leaf("mask", mask, "bool")
   is_schedule = callable(weight_decay)
-  weight_decay = _schedule.scalar_valued(weight_decay, "weight_decay")
+  weight_decay = _options.scalar_valued(weight_decay, "weight_decay")
 
-  def init_fn(params):
+  def init_fn(params) -> Any:
     del params
     if is_schedule:
       return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None) -> tuple[Any, Any]:
     if params is None:
       raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-    _tree.check_same_structure(updates, "updates", params, "params")
-    wd, state = _schedule.value_and_next_state(weight_decay, state)
+    _checks.check_same_structure(updates, "updates", params, "params")
+    wd, state = _options.value_and_next_state(weight_decay, state)
     updates = jax.tree.map(lambda u, p: _leaf.add_decay(u, p, wd), updates, params)
     return updates, state
 
@@ -56,4 +56,4 @@ def add_decayed_weights(
     return tx
   # optax.masked calls this on the params (init) and the updates; it checks the mask
   # against them and names it (optax.masked's own error is a bare pytree mismatch).
-  return optax.masked(tx, lambda tree: _tree.resolve_per_leaf(mask, tree, True, "mask", "bool"))
+  return optax.masked(tx, lambda tree: _checks.resolve_per_leaf(mask, tree, True, "mask", "bool"))

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _dispatch, _leaf, _loss_scale, _norms, _prologue, _skip, _tree
-from optax_lamb._adam import scale_by_adam
-from optax_lamb._clipping import clip_stage
-from optax_lamb._decay import add_decayed_weights
-from optax_lamb._mixed_precision import with_master_weights
-from optax_lamb._plan import LambConfig, decay_coefficient
-from optax_lamb._schedule import scalar_valued
-from optax_lamb._trust_ratio import trust_ratio_stage
+from optax_lamb import _check_args
+from optax_lamb._options import LambConfig
+from optax_lamb._registry import Implementation
+from optax_lamb._transform import build
 
 
 def lamb(
@@ -38,7 +30,7 @@ def lamb(
   mu_dtype: Any = None,
   nu_dtype: Any = None,
   axis_name: Any = None,
-  implementation: str = "auto",
+  implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
   grad_scale: Any = None,
   master_weights: bool = False,
@@ -91,12 +83,12 @@ def lamb(
       replicated leaves. ``None`` (default): no leaf is sharded, as under
       ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
     implementation: ``"auto"`` (the Pallas kernels on one GPU or inside
-      ``shard_map``, else the XLA path; the rules are in ``optax_lamb/_dispatch.py``),
-      ``"xla"`` (two fused passes over memory per leaf), ``"pallas"`` (Triton
-      kernels over buckets of leaves; compiled and validated on an H100 with
-      jax 0.11.2; without a GPU they run in Pallas interpret mode, slowly),
-      ``"reference"`` (the plain chain of stages, slower), or a configured backend
-      object such as ``optax_lamb.backends.pallas.PallasBackend(block_sizes=...)``.
+      ``shard_map``, else the XLA path; the rules are in ``optax_lamb/_registry.py``),
+      ``"xla"`` (two fused passes over memory per leaf), ``"pallas_triton"``
+      (alias ``"pallas"``: Triton kernels over buckets of leaves; without a GPU
+      they run in Pallas interpret mode, slowly), ``"reference"`` (the plain chain
+      of stages, slower), or a configured backend object such as
+      ``optax_lamb.backends.pallas_triton.PallasTritonBackend(block_sizes=...)``.
       Same values and state.
     skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
@@ -127,8 +119,7 @@ def lamb(
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
-  # b1, b2, eps, eps_root, bias_correction, mu_dtype, nu_dtype are checked by scale_by_adam,
-  # weight_decay and mask by add_decayed_weights, when the reference chain is built.
+  # b1, b2, eps, eps_root, the switches, the dtypes, weight_decay and mask: `_transform.build`.
   _check_args.check_non_negative("learning_rate", learning_rate, schedule=True)
   _check_args.check_per_leaf("trust_ratio_mask", trust_ratio_mask, "bool")
   _check_args.check_ratio_bounds(
@@ -138,7 +129,7 @@ def lamb(
     _check_args.check_positive("max_grad_norm", max_grad_norm)
   _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
   _check_args.check_axis_name("axis_name", axis_name)
-  config = LambConfig(
+  config = LambConfig.of(
     learning_rate=learning_rate,
     b1=b1,
     b2=b2,
@@ -163,138 +154,3 @@ def lamb(
     grad_scale=grad_scale,
     master_weights=master_weights,
   )
-
-
-def reference_chain(config: LambConfig) -> optax.GradientTransformation:
-  """The stages that compute lamb's step, run one after another; its init is lamb's init everywhere.
-
-  The state is the tuple of the stage states in the order clip, Adam, decay,
-  trust ratio, learning rate (``optax.chain`` of the five). With lamb's
-  options they also run in that order. The variants of ``optax_lamb.compat``
-  run the same stages in another order or with a step between them (each from
-  `optax_lamb._leaf`): the decay stage on the clipped gradient (L2) or on the
-  params before the step; caution after Adam; the bias correction on the step size.
-  """
-  c = config
-  clip = (
-    clip_stage(c.max_grad_norm, c.axis_name, c.clip_norm_eps)
-    if c.max_grad_norm is not None
-    else optax.identity()
-  )
-  adam = scale_by_adam(
-    c.b1,
-    c.b2,
-    c.eps,
-    c.eps_root,
-    bias_correction=c.bias_correction_in_direction,
-    grad_averaging=c.grad_averaging,
-    mu_dtype=c.mu_dtype,
-    nu_dtype=c.nu_dtype,
-  )
-  decay = add_decayed_weights(decay_coefficient(c), c.mask)
-  trust = trust_ratio_stage(
-    min_norm=0.0,
-    trust_coefficient=1.0,
-    eps=0.0,
-    mask=c.trust_ratio_mask,
-    min_ratio=c.min_trust_ratio,
-    max_ratio=c.max_trust_ratio,
-    stacked_axes=c.stacked_axes,
-    axis_name=c.axis_name,
-    mask_name="trust_ratio_mask",
-    max_param_norm=c.max_param_norm,
-  )
-  scale = optax.scale_by_learning_rate(c.learning_rate)
-  placement = c.weight_decay_placement
-
-  def update_fn(grads, state, params=None):
-    clip_state, adam_state, decay_state, trust_state, lr_state = state
-    g, clip_state = clip.update(grads, clip_state, params)
-    if placement == "gradient":
-      g, decay_state = decay.update(g, decay_state, params)
-    u, adam_state = adam.update(g, adam_state, params)
-    if c.caution:
-      axes = jax.tree.leaves(_tree.resolve_stacked_axes(c.stacked_axes, params))
-      names = _tree.resolve_axis_names(c.axis_name, params)
-      treedef = jax.tree.structure(u)
-      us, gs = treedef.flatten_up_to(u), treedef.flatten_up_to(g)
-      fractions = [_leaf.caution_fraction(*x) for x in zip(us, gs, axes, names, strict=True)]
-      u = treedef.unflatten(map(_leaf.cautious, us, gs, fractions))
-    ratio_params, shrink = params, None
-    if placement == "direction":
-      u, decay_state = decay.update(u, decay_state, params)
-    elif placement == "params":
-      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, _norms.compute_dtype(p.dtype)), params)
-      shrink, decay_state = decay.update(zeros, decay_state, params)
-      ratio_params = jax.tree.map(lambda p, d: p.astype(d.dtype) - d, params, shrink)
-    u, trust_state = trust.update(u, trust_state, ratio_params)
-    u, lr_state = scale.update(u, lr_state, params)
-    if c.bias_correction_on_step_size:
-      bcs = _leaf.bias_corrections(adam_state.count, c.b1, c.b2)
-      u = jax.tree.map(lambda x: x * _leaf.step_size_correction(*bcs).astype(x.dtype), u)
-    if shrink is not None:
-      u = jax.tree.map(lambda x, d: x - d, u, shrink)
-    return u, (clip_state, adam_state, decay_state, trust_state, lr_state)
-
-  init = optax.chain(clip, adam, decay, trust, scale).init
-  return optax.GradientTransformation(init, update_fn)
-
-
-def build(
-  config: LambConfig,
-  *,
-  implementation: Any = "auto",
-  skip_nonfinite: bool = False,
-  grad_scale: Any = None,
-  master_weights: bool = False,
-  grad_transform: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-  """The transformation of a checked `config`, on `implementation`, behind the wrappers asked for.
-
-  `grad_transform(grads, params) -> grads`, if given, is applied to the unscaled
-  float32 gradients before the step, on every implementation (``optax_lamb.compat``:
-  Keras' per-variable ``clipnorm`` and ``clipvalue``).
-  """
-  _dispatch.check_implementation(implementation)
-  _check_args.check_bool("skip_nonfinite", skip_nonfinite)
-  _check_args.check_bool("master_weights", master_weights)
-  _loss_scale.check_grad_scale(grad_scale)
-  config = dataclasses.replace(
-    config,
-    learning_rate=scalar_valued(config.learning_rate, "learning_rate"),
-    weight_decay=scalar_valued(config.weight_decay, "weight_decay"),
-  )
-  grad_scale = scalar_valued(grad_scale, "grad_scale")
-  stages = reference_chain(config)
-
-  if implementation == "reference":
-
-    def lamb_step(grads, state, params, *, apply):
-      updates, state = stages.update(grads, state, params)
-      updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-      return (optax.apply_updates(params, updates) if apply else updates), state
-
-  else:
-
-    def lamb_step(grads, state, params, *, apply):
-      return _dispatch.step(config, implementation, grads, state, params, apply=apply)
-
-  def step(grads, state, params, *, apply):
-    if grad_transform is not None:
-      grads = grad_transform(grads, params)
-    return lamb_step(grads, state, params, apply=apply)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    return step(updates, state, params, apply=False)
-
-  tx = optax.GradientTransformationExtraArgs(stages.init, update_fn)
-  if master_weights:
-    tx = with_master_weights(tx)
-  if skip_nonfinite:
-    tx = _skip.skip_nonfinite(tx, axis_name=config.axis_name)
-  # update_and_apply writes the new params in the last pass; with a wrapper in between it
-  # falls back to update + apply_updates.
-  wrapped = master_weights or skip_nonfinite
-  fused_apply = None if wrapped else functools.partial(step, apply=True)
-  return _prologue.with_prologue(tx, who="lamb", grad_scale=grad_scale, fused_apply=fused_apply)

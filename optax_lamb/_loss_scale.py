@@ -8,28 +8,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _norms, _schedule
+from optax_lamb import _check_args, _leaf, _options
 
 
 class UnscaleGradientsState(NamedTuple):
   """Number of updates seen, the argument of a ``grad_scale`` schedule."""
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # as optax's count states (shadows tuple.count)
 
 
 def unscale(grads: Any, grad_scale: Any) -> Any:
-  """Divide every gradient by `grad_scale` in float32 (at least).
+  """Divide every gradient by `grad_scale` in float32 (at least) (`optax_lamb._leaf.unscale`).
 
   Low-precision gradients come back in float32: a loss-scaled float16 gradient
   holds values that underflow in float16 once unscaled.
   """
-  scale = jnp.asarray(grad_scale)
-
-  def leaf(g):
-    dtype = _norms.compute_dtype(g.dtype)
-    return g.astype(dtype) / scale.astype(dtype)
-
-  return jax.tree.map(leaf, grads)
+  return jax.tree.map(lambda g: _leaf.unscale(g, grad_scale), grads)
 
 
 def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExtraArgs:
@@ -58,25 +52,19 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
   """
   check_grad_scale(grad_scale)
   is_schedule = callable(grad_scale)
-  grad_scale = _schedule.scalar_valued(grad_scale, "grad_scale")
+  grad_scale = _options.scalar_valued(grad_scale, "grad_scale")
 
-  def init_fn(params):
+  def init_fn(params) -> Any:
     del params
     if is_schedule:
       return UnscaleGradientsState(count=jnp.zeros([], jnp.int32))
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     del params
     given = extra_args.get("grad_scale")
     check_grad_scale(given)
-    if given is not None and grad_scale is not None:
-      raise ValueError(
-        "grad_scale was given both when building the optimizer and to update(); give it "
-        f"in one place only (got grad_scale={given!r} at update)."
-      )
-    scale, state = _schedule.value_and_next_state(grad_scale, state)
-    scale = given if given is not None else scale
+    scale, state = _options.grad_scale_at_step(grad_scale, given, state)
     return (updates if scale is None else unscale(updates, scale)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

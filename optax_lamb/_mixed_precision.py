@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _nnx, _tree
+from optax_lamb import _check_args, _checks, _nnx
 
 
 class MasterWeightsState(NamedTuple):
@@ -62,7 +62,7 @@ def with_master_weights(
   dtype = _check_args.check_float_dtype("dtype", dtype, optional=False)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fn(params) -> Any:
     # A copy even for float32 params: the master must not share a buffer that the
     # caller may donate.
     master = jax.tree.map(
@@ -70,14 +70,14 @@ def with_master_weights(
     )
     return MasterWeightsState(master=master, inner_state=inner.init(master))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     if params is None:
       raise ValueError("with_master_weights needs params: call update(grads, state, params)")
     grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.master)
     steps, inner_state = inner.update(grads, state.inner_state, state.master, **extra_args)
     master = optax.apply_updates(state.master, steps)
 
-    def delta(m, p):
+    def delta(m, p) -> jax.Array:
       target = m.astype(p.dtype).astype(m.dtype)
       return (target - p.astype(m.dtype)).astype(p.dtype)
 
@@ -95,7 +95,7 @@ def master_weights(opt_state: Any) -> Any:
   Returns:
     A pytree like the params, in float32 (or the params' dtype where wider).
   """
-  found = _tree.find_states(
+  found = _checks.find_states(
     opt_state,
     MasterWeightsState,
     "No master weights in this optimizer state: build it with "

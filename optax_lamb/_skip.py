@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _check_state, _nnx, _norms, _tree
+from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -36,10 +36,10 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     (jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(tree)),
     jnp.zeros((), jnp.int32),
   )
-  names = set()
-  for name in _tree.resolve_axis_names(axis_name, tree):
+  names: set[str] = set()
+  for name in _checks.resolve_axis_names(axis_name, tree):
     names.update((name,) if isinstance(name, str) else (name or ()))
-  return _norms.psum_if(bad, tuple(sorted(names)) or None) == 0
+  return _ratios.psum_if(bad, tuple(sorted(names)) or None) == 0
 
 
 def skip_nonfinite(
@@ -82,8 +82,9 @@ def skip_nonfinite(
     _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
   _check_args.check_bool("check_results", check_results)
   inner = optax.with_extra_args_support(inner)
+  max_errors = max_consecutive_errors
 
-  def init_fn(params):
+  def init_fn(params) -> Any:
     # Two arrays, not one twice: a donated state must not hold a buffer twice.
     return SkipNonFiniteState(
       total=jnp.zeros([], jnp.int32),
@@ -91,24 +92,24 @@ def skip_nonfinite(
       inner_state=inner.init(params),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     if not isinstance(state, SkipNonFiniteState):
       raise ValueError(
         f"skip_nonfinite: the optimizer state is {type(state).__name__} where "
         "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
-        + _check_state.RESTORE_HINT
+        + _explain.RESTORE_HINT
       )
     if check_results:
-      return _update_checking_results(updates, state, params, extra_args)
+      return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors)
     finite = all_finite(updates, axis_name)
-    consecutive, take = _decide(finite, state)
+    consecutive, take = _decide(finite, state, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
 
-    def apply(updates, inner_state, params, arrays):
+    def apply(updates, inner_state, params, arrays) -> tuple[Any, Any]:
       return inner.update(updates, inner_state, params, **arrays, **others)
 
-    def skip(updates, inner_state, params, arrays):
+    def skip(updates, inner_state, params, arrays) -> tuple[Any, Any]:
       out, _ = jax.eval_shape(apply, updates, inner_state, params, arrays)
       return optax.tree.zeros_like(out), inner_state
 
@@ -117,27 +118,31 @@ def skip_nonfinite(
     )
     return new_updates, _counted(state, finite, consecutive, new_inner)
 
-  def _decide(finite, state):
-    """The new count of non-finite steps in a row, and whether this step is applied."""
-    consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
-    if max_consecutive_errors is None:
-      return consecutive, finite
-    return consecutive, jnp.logical_or(finite, consecutive > max_consecutive_errors)
-
-  def _update_checking_results(updates, state, params, extra_args):
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    finite = all_finite((updates, new_updates, new_inner), axis_name)
-    consecutive, take = _decide(finite, state)
-    new_updates, new_inner = jax.lax.cond(
-      take,
-      lambda taken, kept: taken,
-      lambda taken, kept: (optax.tree.zeros_like(taken[0]), kept),
-      (new_updates, new_inner),
-      state.inner_state,
-    )
-    return new_updates, _counted(state, finite, consecutive, new_inner)
-
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decide(finite: jax.Array, state: SkipNonFiniteState, max_errors: int | None) -> tuple:
+  """The new count of non-finite steps in a row, and whether this step is applied."""
+  consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
+  if max_errors is None:
+    return consecutive, finite
+  return consecutive, jnp.logical_or(finite, consecutive > max_errors)
+
+
+def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, params: Any,
+                      extra_args: dict, axis_name: Any, max_errors: int | None) -> tuple:  # fmt: skip
+  """`check_results`: the step computed first, then kept only where all of it is finite."""
+  new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+  finite = all_finite((updates, new_updates, new_inner), axis_name)
+  consecutive, take = _decide(finite, state, max_errors)
+  new_updates, new_inner = jax.lax.cond(
+    take,
+    lambda taken, kept: taken,
+    lambda taken, kept: (optax.tree.zeros_like(taken[0]), kept),
+    (new_updates, new_inner),
+    state.inner_state,
+  )
+  return new_updates, _counted(state, finite, consecutive, new_inner)
 
 
 def _counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNonFiniteState:
@@ -161,7 +166,7 @@ def skip_counts(opt_state: Any) -> SkipCounts:
   Returns:
     :class:`SkipCounts` ``(total, consecutive)`` as int32 scalars.
   """
-  found = _tree.find_states(
+  found = _checks.find_states(
     opt_state,
     SkipNonFiniteState,
     "No skip_nonfinite stage in this optimizer state: build it with "

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _leaf, _nnx, _norms, _tree
-from optax_lamb._state import RatioLayout, ScaleByTrustRatioState  # also their pickle path
+from optax_lamb import _check_args, _checks, _interop, _leaf, _nnx, _ratios
+from optax_lamb._options import StepScalars
+from optax_lamb._plan import ScaleByTrustRatioState
+from optax_lamb._ratios import RatioLayout
 
 
 def scale_by_trust_ratio(
@@ -63,73 +65,62 @@ def scale_by_trust_ratio(
   _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
   _check_args.check_axis_name("axis_name", axis_name)
   return trust_ratio_stage(
-    min_norm, trust_coefficient, eps, mask, min_ratio, max_ratio, stacked_axes, axis_name, "mask"
-  )
+    min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps, mask=mask,
+    min_ratio=min_ratio, max_ratio=max_ratio, stacked_axes=stacked_axes, axis_name=axis_name,
+  )  # fmt: skip
 
 
 def trust_ratio_stage(
-  min_norm,
-  trust_coefficient,
-  eps,
-  mask,
-  min_ratio,
-  max_ratio,
-  stacked_axes,
-  axis_name,
-  mask_name,
-  max_param_norm=None,
+  *,
+  min_norm: Any = 0.0,
+  trust_coefficient: Any = 1.0,
+  eps: Any = 0.0,
+  mask: Any = None,
+  min_ratio: Any = None,
+  max_ratio: Any = None,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  mask_name: str = "mask",
+  max_param_norm: Any = None,
 ) -> optax.GradientTransformation:
   """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`.
 
   `max_param_norm` clamps ||p|| in the ratio (torch_optimizer's ``clamp_value``).
   """
-  h = _leaf.Hyperparams(
-    min_ratio=min_ratio,
-    max_ratio=max_ratio,
-    min_norm=min_norm,
-    trust_coefficient=trust_coefficient,
-    ratio_eps=eps,
-    max_param_norm=max_param_norm,
-  )
+  s = StepScalars(
+    min_ratio=min_ratio, max_ratio=max_ratio, min_norm=min_norm,
+    trust_coefficient=trust_coefficient, ratio_eps=eps, max_param_norm=max_param_norm,
+  )  # fmt: skip
 
-  def init_fn(params):
-    if not _tree.is_params_placeholder(params):
-      _tree.resolve_per_leaf(mask, params, True, mask_name, "bool")  # fail early, by name
-    layout = RatioLayout.of(params, stacked_axes)
+  last_layout: list[RatioLayout] = []  # of the params init last saw
+
+  def init_fn(params) -> Any:
+    if _interop.is_params_placeholder(params):
+      # optax.tree_map_params' stand-in for the params: the layout of the params init saw
+      # last (its state is what gets mapped), or the placeholder where init never saw any.
+      layout = last_layout[-1] if last_layout else params
+      return ScaleByTrustRatioState(ratios=jnp.ones((0,), jnp.float32), layout=layout)
+    _checks.resolve_per_leaf(mask, params, True, mask_name, "bool")  # fail early, by name
+    treedef: Any = jax.tree.structure(params)
+    axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
+    shapes = [jnp.shape(p)[:k] for p, k in zip(treedef.flatten_up_to(params), axes, strict=True)]
+    layout = RatioLayout(treedef, tuple(map(tuple, shapes)))
+    last_layout[:] = [layout]
     return ScaleByTrustRatioState(ratios=jnp.ones((layout.size,), jnp.float32), layout=layout)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None) -> tuple[Any, Any]:
     if params is None:
       raise ValueError("scale_by_trust_ratio needs params: call update(updates, state, params)")
-    _tree.check_same_structure(updates, "updates", params, "params")
-    treedef = jax.tree.structure(updates)
-    adapts = treedef.flatten_up_to(_tree.resolve_per_leaf(mask, params, True, mask_name, "bool"))
-    axes = treedef.flatten_up_to(_tree.resolve_stacked_axes(stacked_axes, params))
-    names = _tree.resolve_axis_names(axis_name, params)
+    _checks.check_same_structure(updates, "updates", params, "params")
+    treedef: Any = jax.tree.structure(updates)
+    adapts = treedef.flatten_up_to(_checks.resolve_per_leaf(mask, params, True, mask_name, "bool"))
+    adapts = [bool(a) for a in adapts]
+    axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
+    names = _checks.resolve_axis_names(axis_name, params)
+    names = [n if a else None for n, a in zip(names, adapts, strict=True)]
     us, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
     layout = state.layout
-
-    def sq_norms(xs):  # per leaf; zeros where the leaf does not adapt (its ratio is 1)
-      return [
-        _norms.sq_norm(x, k) if a else jnp.zeros(jnp.shape(x)[:k], jnp.float32)
-        for x, k, a in zip(xs, axes, adapts, strict=True)
-      ]
-
-    adapts = [bool(a) for a in adapts]
-    names = [n if a else None for n, a in zip(names, adapts, strict=True)]
-
-    def scaled_sums():  # the rare path: a plain sum of squares over- or underflowed
-      sums = [
-        _norms.scaled_sq_sums(p, u, stacked_axes=k)
-        if a
-        else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 4
-        for p, u, k, a in zip(ps, us, axes, adapts, strict=True)
-      ]
-      return tuple(list(part) for part in zip(*sums, strict=True))
-
-    ratios = _leaf.trust_ratios_of_leaves(
-      sq_norms(ps), sq_norms(us), h, names, layout, adapts, scaled_sums
-    )
+    ratios = _ratio_vector(us, ps, s, layout, adapts, axes, names)
     scaled = [
       _leaf.scale_by_ratio(u, r) if a else u
       for u, r, a in zip(us, layout.pieces(ratios), adapts, strict=True)
@@ -137,6 +128,36 @@ def trust_ratio_stage(
     return treedef.unflatten(scaled), ScaleByTrustRatioState.after_step(ratios, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _ratio_vector(us: list, ps: list, s: StepScalars, layout: RatioLayout, adapts: list[bool],
+                  axes: list[int], names: list) -> jax.Array:  # fmt: skip
+  """The ratios of the leaves `us` at params `ps`, from plain sums of squares, or from the scaled
+  ones (under ``lax.cond``, computed only then) where a plain sum over- or underflowed."""
+  adapted = layout.per_slot(adapts)
+
+  def sq_norms(xs: list) -> list:  # per leaf; zeros where the leaf does not adapt (ratio 1)
+    return [
+      _ratios.sq_norm(x, k) if a else jnp.zeros(jnp.shape(x)[:k], jnp.float32)
+      for x, k, a in zip(xs, axes, adapts, strict=True)
+    ]
+
+  sums = _ratios.slot_sums(layout, names, sq_norms(ps), sq_norms(us))
+
+  def rescued() -> jax.Array:
+    scaled = [
+      _ratios.scaled_sq_sums(p, u, stacked_axes=k) if a
+      else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 4
+      for p, u, k, a in zip(ps, us, axes, adapts, strict=True)
+    ]  # fmt: skip
+    parts = [list(part) for part in zip(*scaled, strict=True)]
+    return _ratios.ratio_vector(_ratios.with_scaled_sums(sums, layout, names, parts), s, adapted)
+
+  return jax.lax.cond(
+    _ratios.needs_rescue(sums.param, sums.update, adapted),
+    rescued,
+    lambda: _ratios.ratio_vector(sums, s, adapted),
+  )
 
 
 def trust_ratios(opt_state: Any) -> Any:
@@ -152,7 +173,7 @@ def trust_ratios(opt_state: Any) -> Any:
     A pytree like the params with float32 ratios (shape ``()`` per leaf, or the
     stacked-layer shape); a tuple of such trees if there are several stages.
   """
-  found = _tree.find_states(
+  found = _checks.find_states(
     opt_state,
     ScaleByTrustRatioState,
     "No trust-ratio stage in this optimizer state: trust_ratios() reads the state of "

@@ -1,11 +1,12 @@
-"""The implementations of one lamb step; `optax_lamb._dispatch` picks one per call.
+"""The implementations of one lamb step; `optax_lamb._registry` names them and picks one per call.
 
-Each backend computes from the step plan (`optax_lamb._plan.StepPlan`) and the
-leaves' arrays, returns a `StepResult` (updates or new params, new moments, the
-ratio vector), and says where it runs (`auto_reason`) and which steps it cannot
-take (`unsupported_reason`): `xla.XlaBackend` (runs everywhere) and
-`pallas.PallasBackend` (Triton kernels; imported only when used), whose step
-`per_device` runs on each device's shards under ``jax.jit`` (a ``pallas_call``
-is opaque to XLA's partitioner). A configured instance may be passed as
-``lamb(..., implementation=backend)``.
+Each backend computes from the step plan (`optax_lamb._plan.StepPlan`: options,
+scalars, per-leaf plans) and the leaves' arrays, returns a `StepResult` (updates
+or new params, new moments, the ratio vector), and says through the
+`optax_lamb._registry.Backend` protocol where ``auto`` takes it (`auto_reason`)
+and which steps it cannot take (`unsupported_reason`): `xla.XlaBackend` (runs
+everywhere) and `pallas_triton.PallasTritonBackend` (Triton kernels; imported
+only when used), whose step `per_device` runs on each device's shards under
+``jax.jit`` (a ``pallas_call`` is opaque to XLA's partitioner). A configured
+instance may be passed as ``lamb(..., implementation=backend)``.
 """

@@ -31,24 +31,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
-from jax.interpreters import partial_eval
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_lamb import _leaf
+from optax_lamb import _interop
+from optax_lamb._options import ScalarLayout, StepScalars
 from optax_lamb._plan import LeafArrays, StepPlan, StepResult
-from optax_lamb._state import RatioLayout
+from optax_lamb._ratios import RatioLayout
 
-LocalStep = Callable[[StepPlan, list[LeafArrays]], StepResult]
+LocalStep = Callable[..., StepResult]  # (plan, leaves, *, apply) -> result
 
 AS_IS, EXPLICIT, AUTO = "as is", "explicit", "auto"
 
 
-def _mesh(leaves: list[LeafArrays]):
+def _mesh(leaves: list[LeafArrays]) -> Any:
   """The mesh the step runs over: the context's (``jax.set_mesh``), else the params' types'."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -61,8 +61,7 @@ def _mesh(leaves: list[LeafArrays]):
 
 def _transformed(x) -> bool:
   """Whether `x` is traced by a transformation other than jit (vmap, jvp, ...)."""
-  jit_tracer = getattr(partial_eval, "DynamicJaxprTracer", jax.core.Tracer)
-  return isinstance(x, jax.core.Tracer) and not isinstance(x, jit_tracer)
+  return isinstance(x, jax.core.Tracer) and not _interop.is_jit_tracer(x)
 
 
 def mode(leaves: list[LeafArrays]) -> tuple[str, str | None]:
@@ -95,14 +94,16 @@ def unsupported_reason(plan: StepPlan, leaves: list[LeafArrays]) -> str | None:
   return mode(leaves)[1]
 
 
-def step(local_step: LocalStep, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool):
+def step(
+  local_step: LocalStep, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool
+) -> StepResult:
   """`local_step(plan, leaves, apply=...)`, on each device's shards where the leaves are sharded."""
   how, reason = mode(leaves)
   if reason is not None:  # `unsupported_reason` sends such steps to XLA
     raise ValueError(reason)
   if how == AS_IS:
     return local_step(plan, leaves, apply=apply)
-  constants, arrays = _split_hyper(plan.hyper)
+  scalar_layout, arrays = ScalarLayout.of(plan.scalars)  # runtime scalars passed replicated
   if how == EXPLICIT:
     mesh = _mesh(leaves)
     specs = [
@@ -112,15 +113,15 @@ def step(local_step: LocalStep, plan: StepPlan, leaves: list[LeafArrays], *, app
     leaves = [
       _reshard_like_param(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)
     ]
-    per_device = _per_device(local_step, plan, constants, specs, mesh.shape, apply)
+    per_device = _per_device(local_step, plan, scalar_layout, specs, mesh.shape, apply)
     return jax.shard_map(
       per_device,
       mesh=mesh,
-      in_specs=(P(), [LeafArrays(s, s, s, s) for s in specs]),
+      in_specs=(P(), [LeafArrays[P](s, s, s, s) for s in specs]),
       out_specs=_result_specs(specs),
       check_vma=False,  # a bucket mixes leaves of several shardings; the ratios are made replicated
     )(arrays, leaves)
-  return _auto(local_step, plan, constants, len(arrays), apply)(arrays, leaves)
+  return _auto(local_step, plan, scalar_layout, len(arrays), apply)(arrays, leaves)
 
 
 # ----------------------------------------------------------------------------- per device
@@ -141,23 +142,12 @@ def _padded(spec, ndim: int) -> P:
 def _reshard_like_param(x: LeafArrays, sharding: NamedSharding) -> LeafArrays:
   """The leaf's arrays on the param's sharding (a no-op where they already have it)."""
 
-  def like(a):
+  def like(a) -> jax.Array:
     if _padded(jax.typeof(a).sharding.spec, a.ndim) == sharding.spec:
       return a
     return jax.sharding.reshard(a, sharding)
 
   return LeafArrays(like(x.g), like(x.m), like(x.v), x.p)
-
-
-def _split_hyper(h: _leaf.Hyperparams) -> tuple[list, dict[int, jax.Array]]:
-  """(Python values, kept as compile-time constants; the runtime scalars, passed replicated)."""
-  constants = [x if _leaf.is_constant(x) else None for x in h]
-  arrays = {i: jnp.asarray(x) for i, x in enumerate(h) if not _leaf.is_constant(x)}
-  return constants, arrays
-
-
-def _join_hyper(constants: list, arrays: dict[int, jax.Array]) -> _leaf.Hyperparams:
-  return _leaf.Hyperparams(*(arrays.get(i, c) for i, c in enumerate(constants)))
 
 
 def _local_plan(plan: StepPlan, specs: list[P], mesh_shape) -> tuple[StepPlan, list]:
@@ -179,16 +169,20 @@ def _local_plan(plan: StepPlan, specs: list[P], mesh_shape) -> tuple[StepPlan, l
     leaves.append(leaf._replace(shape=shape, axis_name=norm_axes or None))
   layout = RatioLayout(plan.treedef, tuple(leaf.shape[: leaf.stacked_axes] for leaf in leaves))
   leaves = [leaf._replace(ratio_offset=layout.offsets[leaf.index]) for leaf in leaves]
-  local = plan._replace(hyper=None, leaves=tuple(leaves), layout=layout, count=None, parts=None)
+  # No tracer of the caller's: the scalars come in as operands, the state is not needed.
+  local = plan._replace(
+    leaves=tuple(leaves), layout=layout, scalars=StepScalars(), count=None, parts=None
+  )
   return local, stacked_axes
 
 
-def _per_device(local_step: LocalStep, plan: StepPlan, constants, specs, mesh_shape, apply):
+def _per_device(local_step: LocalStep, plan: StepPlan, scalar_layout: ScalarLayout, specs,
+                mesh_shape, apply: bool) -> Callable[..., StepResult]:  # fmt: skip
   """The function of one device's shards: the local step, then the whole replicated ratio vector."""
   local, stacked_axes = _local_plan(plan, specs, mesh_shape)
 
-  def per_device(arrays, leaves):
-    result = local_step(local._replace(hyper=_join_hyper(constants, arrays)), leaves, apply=apply)
+  def per_device(arrays, leaves) -> StepResult:
+    result = local_step(local._replace(scalars=scalar_layout.join(arrays)), leaves, apply=apply)
     pieces = local.layout.pieces(result.ratios)
     for i, per_axis in enumerate(stacked_axes):
       for d, axes in enumerate(per_axis):
@@ -206,32 +200,37 @@ def _result_specs(specs: list[P]) -> StepResult:
 # ----------------------------------------------------------------------------- Auto mesh
 
 
-def _auto(local_step: LocalStep, plan: StepPlan, constants, scalars: int, apply: bool):
+def _auto(local_step: LocalStep, plan: StepPlan, scalar_layout: ScalarLayout, scalars: int,
+          apply: bool) -> Callable[..., StepResult]:  # fmt: skip
   """The step as a custom_partitioning op: its partitioner builds the per-device step."""
-  stateless = plan._replace(hyper=None, count=None, parts=None)
+  stateless = plan._replace(scalars=StepScalars(), count=None, parts=None)
 
-  def whole(arrays, leaves):  # the step on one device, or where no partitioning happens
-    return local_step(stateless._replace(hyper=_join_hyper(constants, arrays)), leaves, apply=apply)
+  def whole(
+    arrays, leaves
+  ) -> StepResult:  # the step on one device, or where no partitioning happens
+    return local_step(stateless._replace(scalars=scalar_layout.join(arrays)), leaves, apply=apply)
 
-  def shardings(mesh, arg_shapes):
+  def shardings(mesh, arg_shapes) -> tuple:
     """(each leaf's spec: its param's; the operands' and the results' shardings)."""
     arrays_shapes, leaf_shapes = arg_shapes
     specs = [_even_spec(x.p, mesh) for x in leaf_shapes]
     named = lambda spec: NamedSharding(mesh, spec)
     operands = (
-      {i: named(P()) for i in arrays_shapes},
+      {name: named(P()) for name in arrays_shapes},
       [LeafArrays(*(named(s),) * 4) for s in specs],
     )
     results = jax.tree.map(named, _result_specs(specs), is_leaf=lambda s: isinstance(s, P))
     return specs, operands, results
 
-  def partition(mesh, arg_shapes, result_shape):
+  def partition(mesh, arg_shapes, result_shape) -> tuple:
     del result_shape
     specs, operands, results = shardings(mesh, arg_shapes)
-    per_device = _per_device(local_step, plan, constants, specs, mesh.shape, apply)
+    per_device = _per_device(local_step, plan, scalar_layout, specs, mesh.shape, apply)
     return mesh, per_device, results, operands
 
-  def infer_sharding_from_operands(mesh, arg_shapes, result_shape):  # GSPMD (Shardy: the rule)
+  def infer_sharding_from_operands(
+    mesh, arg_shapes, result_shape
+  ) -> Any:  # GSPMD (Shardy: the rule)
     del result_shape
     return shardings(mesh, arg_shapes)[2]
 
@@ -262,7 +261,9 @@ def _even_spec(shape, mesh) -> P:
 
 def _sharding_rule(plan: StepPlan, scalars: int) -> SdyShardingRule:
   """Each leaf's g, m, v, p and its out, m', v' share one factor per axis; the rest replicated."""
-  factors = [tuple(f"l{leaf.index}d{d}" for d in range(len(leaf.shape))) for leaf in plan.leaves]
-  operands = [()] * scalars + [f for f in factors for _ in LeafArrays._fields]
-  results = [*factors, *factors, *factors, ("ratio",)]
+  factors: list[Any] = [
+    tuple(f"l{leaf.index}d{d}" for d in range(len(leaf.shape))) for leaf in plan.leaves
+  ]
+  operands: list[Any] = [()] * scalars + [f for f in factors for _ in LeafArrays._fields]
+  results: list[Any] = [*factors, *factors, *factors, ("ratio",)]
   return SdyShardingRule(tuple(operands), tuple(results), need_replication_factors=("ratio",))

@@ -6,7 +6,8 @@ reads each leaf many times. Here, per leaf:
 
 * pass 1 (reads g, m, v, p; writes m, v in place) updates the moments and
   yields the two squared norms ||p||^2 and ||u||^2 from one reduction;
-* the ratios of all leaves, from the two squared-norm vectors (`_leaf.trust_ratios`);
+* the ratios of all leaves, from the two squared-norm vectors (`_ratios.ratio_vector`; where a
+  plain sum over- or underflowed, from its scaled sums, computed only then, under ``lax.cond``);
 * pass 2 (reads p, m, v; writes p or the updates in place) recomputes the
   direction u from the new moments with the identical expressions, so the
   values are bit-identical to pass 1's, and applies the trust ratio and the
@@ -20,7 +21,7 @@ recomputes them from the old moments instead, so u never sees the rounding.
 Leaves of at most `materialize_u_max_size` elements compute u once and keep it
 between the norm and the update instead: it stays in cache, and recomputing
 would cost more than it saves. Leaves without layer adaptation need no norm
-and take one pass. Every formula is `optax_lamb._leaf`'s.
+and take one pass. Every formula is `optax_lamb._leaf`'s, every norm `optax_lamb._ratios`'.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _leaf, _norms
+from optax_lamb import _leaf, _ratios
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaBackend:
-  """The fused XLA path; runs everywhere.
+  """The fused XLA path; runs everywhere, and XLA differentiates and partitions it.
 
   Attributes:
     materialize_u_max_size: leaves of at most this many elements keep u in memory
@@ -44,6 +45,7 @@ class XlaBackend:
   """
 
   name = "xla"
+  differentiable = True  # plain jnp: jax differentiates it
   materialize_u_max_size: int = 1 << 18
 
   def auto_reason(self) -> str | None:
@@ -53,25 +55,34 @@ class XlaBackend:
     del plan, leaves
     return None
 
+  def runs_interpreted(self) -> bool:
+    return False
+
   def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
     """One lamb step in two passes per adapted leaf (one pass for the others)."""
-    h = plan.hyper
     firsts = [
-      _pass1(h, leaf, x, self.materialize_u_max_size)
+      _pass1(plan, leaf, x, self.materialize_u_max_size)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
+    names, adapted = plan.leaf_names, plan.adapted_slots
+    sums = _ratios.slot_sums(plan.layout, names, [f.p_sq for f in firsts], [f.u_sq for f in firsts])
 
-    def scaled_sums():  # only where a plain sum over- or underflowed (under lax.cond)
-      sums = [
-        _scaled_sums(h, leaf, x, f) for leaf, x, f in zip(plan.leaves, leaves, firsts, strict=True)
+    def rescued() -> jax.Array:  # a plain sum over- or underflowed: the scaled sums, only then
+      scaled = [
+        _scaled_sums(plan, leaf, x, f)
+        for leaf, x, f in zip(plan.leaves, leaves, firsts, strict=True)
       ]
-      return tuple(list(part) for part in zip(*sums, strict=True))
+      parts = [list(part) for part in zip(*scaled, strict=True)]
+      exact = _ratios.with_scaled_sums(sums, plan.layout, names, parts)
+      return _ratios.ratio_vector(exact, plan.scalars, adapted)
 
-    ratios = plan.ratios_from_leaves(
-      [f.p_sq for f in firsts], [f.u_sq for f in firsts], scaled_sums
+    ratios = jax.lax.cond(
+      _ratios.needs_rescue(sums.param, sums.update, adapted),
+      rescued,
+      lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
     )
     out = [
-      _pass2(h, leaf, x, f, ratio, apply=apply)
+      _pass2(plan, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(
         plan.leaves, leaves, firsts, plan.layout.pieces(ratios), strict=True
       )
@@ -91,59 +102,63 @@ class _Pass1:
   kept: jax.Array | None  # caution's kept fraction per slice (None without caution)
 
 
-def _direction(h, leaf: LeafPlan, x: LeafArrays, m, v, p, kept):
+def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> jax.Array:
   """u from the moments (`_leaf.direction`); with caution, masked by the moments' gradient."""
-  g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay) if h.caution else None
-  return _leaf.direction(m, v, p, h, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
+  o, s = plan.options, plan.scalars
+  g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay) if o.caution else None
+  return _leaf.direction(m, v, p, o, s, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
 
 
-def _pass1(h: _leaf.Hyperparams, leaf: LeafPlan, x: LeafArrays, materialize_max: int) -> _Pass1:
-  m_c, v_c = _leaf.moments(x.g, x.m, x.v, h, p=x.p, decay=leaf.decay)
+def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, materialize_max: int) -> _Pass1:
+  o, s = plan.options, plan.scalars
+  m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = m_c.astype(x.m.dtype), v_c.astype(x.v.dtype)
   k = leaf.stacked_axes
   kept = None
-  if h.caution:  # a reduction over the leaf before u: the kernels do not compute it
-    g = _leaf.moment_gradient(x.g, x.p, h, decay=leaf.decay)
-    kept = _leaf.caution_fraction(_leaf.adam_direction(m_c, v_c, h), g, k, leaf.axis_name)
+  if o.caution:  # a reduction over the leaf before u: the kernels do not compute it
+    g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay)
+    kept = _ratios.caution_fraction(_leaf.adam_direction(m_c, v_c, s), g, k, leaf.axis_name)
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
-  u = _direction(h, leaf, x, m_c, v_c, x.p, kept)
-  p = _leaf.ratio_params(x.p, h, decay=leaf.decay)
+  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
+  p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   if leaf.size <= materialize_max:
     # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
-    return _Pass1(m, v, m_c, v_c, _norms.sq_norm(p, k), _norms.sq_norm(u, k), u, kept)
-  p_sq, u_sq = _norms.sq_norms(p, u, stacked_axes=k)
+    p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1)
+    return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u, kept)
+  p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k)
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
 
 
-def _scaled_sums(h, leaf: LeafPlan, x: LeafArrays, first: _Pass1):
-  """(p down, p up, u down, u up): the leaf's sums of squares at `_norms.SCALES`' other scales,
+def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1) -> tuple:
+  """(p down, p up, u down, u up): the leaf's sums of squares at `_ratios.SCALES`' other scales,
   u recomputed from pass 1's moments (one pass, like pass 1's reduction)."""
   k = leaf.stacked_axes
   if not leaf.adapt:
     return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 4
-  u = (
-    first.u
-    if first.u is not None
-    else _direction(h, leaf, x, first.m_c, first.v_c, x.p, first.kept)
-  )
-  p = _leaf.ratio_params(x.p, h, decay=leaf.decay)
-  return _norms.scaled_sq_sums(p, u, stacked_axes=k)
+  u = first.u
+  if u is None:
+    u = _direction(plan, leaf, x, first.m_c, first.v_c, x.p, first.kept)
+  p = _leaf.ratio_params(x.p, plan.options, plan.scalars, decay=leaf.decay)
+  return _ratios.scaled_sq_sums(p, u, stacked_axes=k)
 
 
-def _pass2(h, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool):
+def _pass2(
+  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool
+) -> jax.Array:
   """The update (or new params) of one leaf, from the ratio and pass 1's moments."""
+  o, s = plan.options, plan.scalars
   p, u = x.p, first.u
   if not leaf.adapt:
-    u = _direction(h, leaf, x, first.m_c, first.v_c, p, first.kept)
-    return _leaf.update(u, p, None, h, apply=apply, decay=leaf.decay)
+    u = _direction(plan, leaf, x, first.m_c, first.v_c, p, first.kept)
+    return _leaf.update(u, p, None, o, s, apply=apply, decay=leaf.decay)
   if u is None:
     # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
     if leaf.narrow_moments:  # recompute the moments: u must not see their rounding
       p, g, m, v, ratio = jax.lax.optimization_barrier((p, x.g, x.m, x.v, ratio))
-      m, v = _leaf.moments(g, m, v, h, p=p, decay=leaf.decay)
+      m, v = _leaf.moments(g, m, v, o, s, p=p, decay=leaf.decay)
     else:
       p, m, v, ratio = jax.lax.optimization_barrier((p, first.m, first.v, ratio))
-    u = _direction(h, leaf, x, m, v, p, first.kept)
-  return _leaf.update(u, p, ratio, h, apply=apply, decay=leaf.decay)
+    u = _direction(plan, leaf, x, m, v, p, first.kept)
+  return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay)

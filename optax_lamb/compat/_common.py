@@ -1,7 +1,7 @@
 """What the compat constructors share: argument checks, masks from names, the build, library rules.
 
 Each library's constructor (its own module) checks its arguments with that
-library's names and refusals, maps them onto `optax_lamb._plan.LambConfig`
+library's names and refusals, maps them onto `optax_lamb._options.LambConfig`
 (see ``docs/which_lamb.md`` for the mapping), and builds the transformation
 with `make` on the core that every implementation shares.
 """
@@ -11,15 +11,16 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from optax_lamb import _check_args, _leaf, _norms, _tree
-from optax_lamb._lamb import build
-from optax_lamb._plan import LambConfig
+from optax_lamb import _check_args, _checks, _leaf, _ratios
+from optax_lamb._options import LambConfig
+from optax_lamb._transform import build
 
 
 def check_betas(name: str, betas: Any) -> tuple[Any, Any]:
@@ -55,11 +56,11 @@ def path_name(path: tuple) -> str:
   return "/".join(parts)
 
 
-def regex_mask(patterns: Sequence[str] | None):
+def regex_mask(patterns: Sequence[str] | None) -> Callable[[Any], Any]:
   """callable(params): True on the leaves whose '/'-joined path no pattern `re.search`es."""
   compiled = [re.compile(p) for p in patterns or ()]
 
-  def mask(params):
+  def mask(params) -> Any:
     return jax.tree_util.tree_map_with_path(
       lambda path, _: not any(r.search(path_name(path)) for r in compiled), params
     )
@@ -67,7 +68,9 @@ def regex_mask(patterns: Sequence[str] | None):
   return mask
 
 
-def keras_clipping(clipnorm: Any, clipvalue: Any, axis_name: Any):
+def keras_clipping(
+  clipnorm: Any, clipvalue: Any, axis_name: Any
+) -> Callable[[Any, Any], Any] | None:
   """`build`'s grad_transform for Keras' per-variable clips, or None without one.
 
   clipvalue: g <- clip(g, -c, c); then clipnorm: g <- g min(1, c / ||g||) per leaf
@@ -77,14 +80,15 @@ def keras_clipping(clipnorm: Any, clipvalue: Any, axis_name: Any):
   if clipnorm is None and clipvalue is None:
     return None
 
-  def transform(grads, params):
+  def transform(grads, params) -> Any:
     if clipvalue is not None:
       grads = jax.tree.map(lambda g: jnp.clip(g, -clipvalue, clipvalue).astype(g.dtype), grads)
     if clipnorm is not None:
+      treedef: Any
       leaves, treedef = jax.tree.flatten(grads)
-      names = _tree.resolve_axis_names(axis_name, params)
-      sq = _norms.psum_by_name([_norms.sq_norm(g) for g in leaves], names)
-      factors = [_leaf.clip_factor(_norms.safe_sqrt(s), clipnorm) for s in sq]
+      names = _checks.resolve_axis_names(axis_name, params)
+      sq = _ratios.psum_by_name([_ratios.sq_norm(g) for g in leaves], names)
+      factors = [_leaf.clip_factor(_ratios.safe_sqrt(s), clipnorm) for s in sq]
       grads = treedef.unflatten([_leaf.clip(g, f) for g, f in zip(leaves, factors, strict=True)])
     return grads
 
@@ -98,7 +102,7 @@ def make(
   lamb_options: dict,
   grad_transform: Any = None,
   **config: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   """The transformation of one compat constructor: its `LambConfig` fields, then lamb's options."""
   _check_args.check_non_negative(learning_rate_name, learning_rate, schedule=True)
   _check_args.check_per_leaf("stacked_axes", lamb_options["stacked_axes"], "int")
@@ -111,7 +115,7 @@ def make(
     max_trust_ratio=None,
     max_grad_norm=None,
   )
-  lamb_config = LambConfig(
+  lamb_config = LambConfig.of(
     learning_rate=learning_rate,
     stacked_axes=lamb_options["stacked_axes"],
     axis_name=lamb_options["axis_name"],

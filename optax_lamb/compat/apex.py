@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import optax
+
 from optax_lamb.compat import _common
 
 _FLAGS = ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")  # the bool arguments
@@ -24,7 +26,7 @@ def apex_fused_lamb(
   weight_decay_mask: Any = None,
   set_grad_none: bool = True,
   **lamb_options: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   r"""``apex.optimizers.FusedLAMB``, the optimizer of NVIDIA's BERT recipe.
 
   Source: NVIDIA/apex at commit 6424da3b4faa6c8f062da4a48c424fff3f02d42d,

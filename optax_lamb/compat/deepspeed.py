@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import optax
+
 from optax_lamb.compat import _common
 
 _FLAGS = ("eps_inside_sqrt", "bias_correction")  # the bool arguments
@@ -26,7 +28,7 @@ def deepspeed_fused_lamb(
   *,
   weight_decay_mask: Any = None,
   **lamb_options: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   r"""``deepspeed.ops.lamb.FusedLamb``.
 
   Source: deepspeedai/DeepSpeed at commit edaa7221267243c7be7fb49c5d5f5c4fb97b4641,

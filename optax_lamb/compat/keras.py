@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import optax
+
 from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
@@ -20,7 +22,7 @@ def keras_lamb(
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
   **lamb_options: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   r"""``keras.optimizers.Lamb`` (Keras 3).
 
   Source: keras-team/keras at commit 3422977a5e38fb2f7709aaa9a08e47f0c43d0f60 (Keras

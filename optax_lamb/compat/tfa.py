@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import optax
+
 from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
 
-def _inverse_time_decay(learning_rate: Any, decay: float):
+def _inverse_time_decay(learning_rate: Any, decay: float) -> Any:
   """Keras 2's legacy ``decay``: lr_t = learning_rate(count) / (1 + decay count)."""
   if not decay > 0:
     return learning_rate
@@ -31,7 +33,7 @@ def tfa_lamb(
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
   **lamb_options: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   r"""``tensorflow_addons.optimizers.LAMB`` (TF Addons 0.23.0, Keras 2.15's legacy optimizer).
 
   Source: tensorflow/addons at commit d208d75 (0.23.0),

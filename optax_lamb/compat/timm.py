@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import optax
+
 from optax_lamb import _check_args
 from optax_lamb.compat import _common
 
@@ -41,7 +43,7 @@ def timm_lamb(
   weight_decay_mask: Any = None,
   base_lr: float | None = None,
   **lamb_options: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   r"""``timm.optim.Lamb``.
 
   Source: huggingface/pytorch-image-models at commit

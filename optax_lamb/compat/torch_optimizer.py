@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import optax
+
 from optax_lamb.compat import _common
 
 _FLAGS = ("adam", "debias")  # the bool arguments
@@ -21,7 +23,7 @@ def torch_optimizer_lamb(
   *,
   weight_decay_mask: Any = None,
   **lamb_options: Any,
-):
+) -> optax.GradientTransformationExtraArgs:
   r"""``torch_optimizer.Lamb`` (pytorch-optimizer).
 
   Source: jettify/pytorch-optimizer at commit 51e361cb881eda64b4142a315c9529a9ac9950ae

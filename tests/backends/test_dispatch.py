@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb.backends.pallas import BlockSizes, PallasBackend
+from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 
 LEAF = jax.ShapeDtypeStruct((64, 32), jnp.float32)
 
@@ -150,7 +150,7 @@ def test_xla_and_reference_are_taken_as_asked(on_a_gpu, one_device, caplog, impl
 
 def test_a_backend_object_is_taken_as_asked():
   params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(3, 100)}
-  backend = PallasBackend(block_sizes=BlockSizes(block=64, sum_block=16), interpret=True)
+  backend = PallasTritonBackend(block_sizes=BlockSizes(block=64, sum_block=16), interpret=True)
   got_tx, want_tx = (optax_lamb.lamb(1e-2, implementation=i) for i in (backend, "xla"))
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*interpret mode")

@@ -72,10 +72,10 @@ def test_lamb_is_float64_accurate(implementation, rng):
 
 def test_pallas_runs_float64_on_the_xla_path_accurately(rng):
   """The kernels take float32/bfloat16/float16; float64 falls back (saying so) at full accuracy."""
-  from optax_lamb.backends.pallas import PallasBackend
+  from optax_lamb.backends.pallas_triton import PallasTritonBackend
 
   params, grads = _problem(rng)
-  tx = optax_lamb.lamb(**KWARGS, implementation=PallasBackend(interpret=True))
+  tx = optax_lamb.lamb(**KWARGS, implementation=PallasTritonBackend(interpret=True))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got, _ = _run(tx, params, grads)

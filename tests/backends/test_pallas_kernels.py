@@ -31,8 +31,16 @@ from helpers.trees import by_path, make_params
 from runs import update_then_apply
 
 import optax_lamb
-from optax_lamb import _leaf, _plan
-from optax_lamb.backends.pallas import BlockSizes, PallasBackend, common, pass1, pass2, slice_sums
+from optax_lamb import _plan
+from optax_lamb._options import LambOptions, StepScalars
+from optax_lamb.backends.pallas_triton import (
+  BlockSizes,
+  PallasTritonBackend,
+  common,
+  pass1,
+  pass2,
+  slice_sums,
+)
 
 BLOCK_SIZES = PALLAS_BLOCKS
 
@@ -64,7 +72,7 @@ class TestKernelsCompiled:
   def _backend(self):
     if not self.INTERPRET and jax.default_backend() != "gpu":
       pytest.skip("compiled Pallas kernels need a GPU (TestKernelsInterpret runs them on the CPU)")
-    self.pallas = PallasBackend(block_sizes=BLOCK_SIZES, interpret=self.INTERPRET)
+    self.pallas = PallasTritonBackend(block_sizes=BLOCK_SIZES, interpret=self.INTERPRET)
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", message=".*interpret mode")
       yield
@@ -86,22 +94,27 @@ class TestKernelsCompiled:
       for leaf in plans
     ]
     runtime = lambda x: jnp.asarray(x, jnp.float32)
-    h = _leaf.Hyperparams(
-      bc1=runtime(0.1),
-      bc2=runtime(0.01),
-      weight_decay=runtime(0.05),
-      step_size=runtime(-LR),
-      clip_factor=runtime(0.7) if clip else None,
+    options, h = (
+      LambOptions(),
+      StepScalars(
+        bc1=runtime(0.1),
+        bc2=runtime(0.01),
+        weight_decay=runtime(0.05),
+        step_size=runtime(-LR),
+        clip_factor=runtime(0.7) if clip else None,
+      ),
     )
-    scalars, constants = common.scalar_operands(h)
-    launch = dict(constants=constants, block_sizes=sizes, interpret=interpret)
+    scalars, scalar_layout = common.scalar_operands(h)
+    launch = dict(
+      options=options, scalar_layout=scalar_layout, block_sizes=sizes, interpret=interpret
+    )
     tables = common.buckets([leaf for leaf in plans if leaf.adapt], sizes)
     parts = []
     for table in tables:
       operands = [leaves[c.leaf.index] for c in table]
       written, launch_parts = pass1.moments_and_norms(scalars, operands, table=table, **launch)
       for c, moments, x in zip(table, written, operands, strict=True):
-        want_moments, want_parts = pass1.reference(h, x, c, sizes.block)
+        want_moments, want_parts = pass1.reference(options, h, x, c, sizes.block)
         if moments:
           assert_trees_close((moments["m"], moments["v"]), want_moments)
         span = slice(c.first, c.first + c.programs)
@@ -118,7 +131,7 @@ class TestKernelsCompiled:
       operands = [{k: leaves[c.leaf.index][k] for k in pass2.input_names(c.leaf)} for c in table]
       results = pass2.updates(scalars, ratios, operands, table=table, apply=apply, **launch)
       for c, x, got in zip(table, operands, results, strict=True):
-        want = pass2.reference(h, c.leaf, x, ratios, apply=apply)
+        want = pass2.reference(options, h, c.leaf, x, ratios, apply=apply)
         assert set(got) == set(want)
         assert_trees_close(got, want)
 
@@ -195,7 +208,7 @@ def test_chunk_tables_cover_every_element_once(rng):
     base += first
 
 
-COMPILED = PallasBackend(block_sizes=BLOCK_SIZES, interpret=False)
+COMPILED = PallasTritonBackend(block_sizes=BLOCK_SIZES, interpret=False)
 
 
 def _lower_for_cuda(step, *args, donate=()):
@@ -300,7 +313,9 @@ def test_block_sizes_validate(kwargs, match):
 
 def test_mismatched_leaf_shapes_raise_with_the_shapes():
   params = {"w": jnp.ones((4, 8))}
-  tx = optax_lamb.lamb(LR, implementation=PallasBackend(block_sizes=BLOCK_SIZES, interpret=True))
+  tx = optax_lamb.lamb(
+    LR, implementation=PallasTritonBackend(block_sizes=BLOCK_SIZES, interpret=True)
+  )
   state = tx.init(params)
   state = (state[0], state[1]._replace(mu={"w": jnp.ones((33,))}), *state[2:])
   # caught by the state check of the prologue, before the kernels' own shape check

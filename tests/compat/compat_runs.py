@@ -25,7 +25,7 @@ from helpers import fast_compile as _fast_compile
 
 import optax_lamb
 from optax_lamb import compat
-from optax_lamb.backends.pallas import BlockSizes, PallasBackend
+from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 
 CONSTRUCTORS = {
   "apex": compat.apex_fused_lamb,
@@ -37,7 +37,7 @@ CONSTRUCTORS = {
 }
 # Tiny launches: 16-element chunks, 4 leaves per launch (two launches for the problem's five),
 # pass 2 in XLA for leaves of 48 elements or more in tx.update (encoder/kernel), kernels else.
-PALLAS = PallasBackend(
+PALLAS = PallasTritonBackend(
   block_sizes=BlockSizes(
     block=16, max_leaves_per_call=4, num_warps=4, sum_block=16, xla_pass2_min_size=48
   ),

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import optax
 
 import optax_lamb
-from optax_lamb.backends.pallas import BlockSizes, PallasBackend
+from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 from optax_lamb.backends.xla import XlaBackend
 
 
@@ -54,9 +54,15 @@ TINY_BLOCKS = BlockSizes(
 _CONFIGURATIONS = {
   "xla": ("xla", contextlib.nullcontext),
   "xla-recompute-u": (XlaBackend(materialize_u_max_size=0), contextlib.nullcontext),
-  "pallas": (PallasBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
-  "pallas-tiny-blocks": (PallasBackend(block_sizes=TINY_BLOCKS, interpret=True), _no_fallback),
-  "pallas-compiled": (PallasBackend(block_sizes=PALLAS_BLOCKS, interpret=False), _no_fallback),
+  "pallas": (PallasTritonBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
+  "pallas-tiny-blocks": (
+    PallasTritonBackend(block_sizes=TINY_BLOCKS, interpret=True),
+    _no_fallback,
+  ),
+  "pallas-compiled": (
+    PallasTritonBackend(block_sizes=PALLAS_BLOCKS, interpret=False),
+    _no_fallback,
+  ),
   "reference": ("reference", contextlib.nullcontext),
 }
 IMPLEMENTATIONS = tuple(_CONFIGURATIONS)

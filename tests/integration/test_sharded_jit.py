@@ -1,10 +1,10 @@
-"""Every implementation under ``jax.jit`` over sharded arrays, on the 8 CPU devices of conftest (issue 21).
+"""Every implementation under ``jax.jit`` over sharded arrays, on the 8 CPU devices of conftest.
 
-Each layout of the issue's table, on a mesh of Auto axes and one of Explicit
-axes, for ``xla``, ``reference`` and ``pallas`` (the kernels in interpret mode,
-tiny blocks): the jitted update (4 leaves, one of them scan-stacked; weight
-decay on some, global-norm clipping active) from a state with non-zero moments
-must
+Each layout of `LAYOUTS` (replicated, FSDP, the stacked layer axis, data x model), on a
+mesh of Auto axes and one of Explicit axes, for ``xla``, ``reference`` and ``pallas`` (the
+kernels in interpret mode, tiny blocks): the jitted update (4 leaves, one of them
+scan-stacked; weight decay on some, global-norm clipping active) from a state with non-zero
+moments must
 
 * equal the single-device XLA update, its moments and trust ratios (rtol 1e-5);
 * keep the params' shardings on the moments and updates, through ``init`` and
@@ -36,7 +36,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_lamb
-from optax_lamb.backends.pallas import BlockSizes, PallasBackend
+from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 
 N_DEVICES = 8
 SHAPES = {"bias": (32,), "embed": (64, 16), "head": (16, 8), "layers": (8, 16, 16)}
@@ -46,7 +46,7 @@ MAX_GRAD_NORM = 0.5
 SMALLEST_LEAF = min(math.prod(s) for s in SHAPES.values())
 RTOL, ATOL = 1e-5, 1e-7
 
-# The issue's layouts: (mesh shape, mesh axes, each leaf's PartitionSpec).
+# The layouts users shard with: (mesh shape, mesh axes, each leaf's PartitionSpec).
 LAYOUTS = {
   "replicated": ((8,), ("data",), {k: P() for k in SHAPES}),
   "fsdp": (  # each leaf sharded on its first (per-layer) axis
@@ -72,7 +72,7 @@ LAYOUTS = {
 }
 MESH_KINDS = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 # Tiny blocks keep interpret mode fast and still give several chunks and buckets per leaf.
-PALLAS = PallasBackend(
+PALLAS = PallasTritonBackend(
   block_sizes=BlockSizes(block=64, sum_block=16, max_leaves_per_call=2, xla_pass2_min_size=1024),
   interpret=True,
 )
@@ -340,7 +340,9 @@ def test_one_device_mesh(single_device):
   (On a one-device Auto mesh there is nothing to partition: the step runs as on one device.)
   """
   mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
-  tx = make_tx(PallasBackend(block_sizes=PALLAS.block_sizes))  # interpreted only without a GPU
+  tx = make_tx(
+    PallasTritonBackend(block_sizes=PALLAS.block_sizes)
+  )  # interpreted only without a GPU
   put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P()))
   with jax.set_mesh(mesh), warnings.catch_warnings():
     warnings.filterwarnings("ignore", "(?s).*Pallas interpret mode")

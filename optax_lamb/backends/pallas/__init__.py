@@ -1,12 +1,17 @@
-"""The Pallas (Triton) backend: one module per kernel pass, each with its ``pallas_call`` and
-the jnp reference it must equal (`pass1`, `slice_sums`, `pass2`), what they share (`common`), and
-the step over a tree with its launch configuration (`driver.PallasBackend`).
+"""The former name of `optax_lamb.backends.pallas_triton` (``implementation="pallas"`` is an
+alias of ``"pallas_triton"``); ``PallasBackend`` is ``PallasTritonBackend``. Kept for imports
+written before the rename; deprecated (CHANGELOG.md), removed no sooner than version 0.4."""
 
-Importing it imports ``jax.experimental.pallas.triton``; the dispatcher treats an
-ImportError as "no Pallas on this jax" and uses the XLA path.
-"""
+import warnings
 
-from optax_lamb.backends.pallas.common import BlockSizes
-from optax_lamb.backends.pallas.driver import PallasBackend
+from optax_lamb.backends.pallas_triton import BlockSizes
+from optax_lamb.backends.pallas_triton import PallasTritonBackend as PallasBackend
+
+warnings.warn(
+  "optax_lamb.backends.pallas is deprecated: import optax_lamb.backends.pallas_triton "
+  "(PallasBackend is PallasTritonBackend there).",
+  DeprecationWarning,
+  stacklevel=2,
+)
 
 __all__ = ["BlockSizes", "PallasBackend"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import warnings
 from typing import Any
 
@@ -25,13 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from optax_lamb import _leaf, _norms
+from optax_lamb import _interop
+from optax_lamb._options import ScalarLayout, StepScalars
 from optax_lamb._plan import LeafPlan
 
 # Element offsets inside the kernels are int32 (byte addresses are 64-bit in Triton).
 INT32_LIMIT = 2**31 - 1
-# The Pallas Triton backend is deprecated from jax 0.11 but still works (docs/KERNELS.md).
-_TRITON_DEPRECATION = r"(?is).*triton.*"
 
 
 def _is_power_of_two(n: Any) -> bool:
@@ -64,7 +62,7 @@ class BlockSizes:
   sum_block: int = 1024
   xla_pass2_min_size: int = 1 << 16
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("block", "num_warps", "sum_block"):
       if not _is_power_of_two(getattr(self, name)):
         raise ValueError(f"{name}={getattr(self, name)} must be a power of two (Triton shapes)")
@@ -122,30 +120,21 @@ def programs(table: Table) -> int:
 # ------------------------------------------------------------------------- step scalars
 
 
-RUNTIME = "runtime"  # marks a field of the constants that the kernel reads from the vector
+def scalar_operands(scalars: StepScalars) -> tuple[jax.Array, ScalarLayout]:
+  """(the float32 vector of the runtime scalars, their layout: a static argument of the kernels)."""
+  layout, values = ScalarLayout.of(scalars)
+  return layout.vector(values), layout
 
 
-def scalar_operands(h: _leaf.Hyperparams) -> tuple[jax.Array, tuple]:
-  """(the float32 vector of the runtime scalars, the constants: `RUNTIME` where runtime).
-
-  The vector's length is a power of two (Triton shapes); constants are static arguments.
-  """
-  constants = tuple(x if _leaf.is_constant(x) else RUNTIME for x in h)
-  values = [jnp.zeros((), jnp.float32) if _leaf.is_constant(x) else x for x in h]
-  values = [jnp.asarray(x, jnp.float32) for x in values]
-  size = 1 << (len(values) - 1).bit_length()
-  return jnp.stack(values + [jnp.zeros((), jnp.float32)] * (size - len(values))), constants
-
-
-def load_hyperparams(ref, constants: tuple) -> _leaf.Hyperparams:
-  """Inside a kernel: each field from its constant, else from the runtime vector."""
-  return _leaf.Hyperparams(*(ref[i] if c is RUNTIME else c for i, c in enumerate(constants)))
+def load_scalars(ref, layout: ScalarLayout) -> StepScalars:
+  """Inside a kernel: the step's scalars, the runtime ones read from the vector by name."""
+  return layout.join({name: ref[layout.index(name)] for name in layout.runtime})
 
 
 # ------------------------------------------------------------------------ kernel helpers
 
 
-def chunk(pid, c: LeafChunks, block: int):
+def chunk(pid, c: LeafChunks, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(slice index, flat offset of the chunk, mask of its valid elements) of program `pid`."""
   local = pid - c.first
   if c.leaf.slices == 1:
@@ -165,19 +154,12 @@ def for_each_leaf(table: Table, body) -> None:
     pl.when((pid >= c.first) & (pid < c.first + c.programs))(functools.partial(body, pid, j, c))
 
 
-def load(ref, start, mask, size):
+def load(ref, start, mask, size) -> jax.Array:
   return plt.load(ref.at[pl.ds(start, size)], mask=mask, other=0)
 
 
-def store(ref, start, mask, size, value):
+def store(ref, start, mask, size, value) -> None:
   plt.store(ref.at[pl.ds(start, size)], value.astype(ref.dtype), mask=mask)
-
-
-def masked_sq_sums(x, mask):
-  """x's sums of squares at every `_norms.SCALES`, over the unmasked lanes."""
-  # Masked lanes hold other=0 inputs, and u may be 0/0 there when eps = 0: zero them first.
-  x = jnp.where(mask, x.astype(jnp.float32), 0.0)
-  return tuple(_norms.sq_norm(x * s) for s in _norms.SCALES)
 
 
 # -------------------------------------------------------------------- the pallas_call
@@ -193,17 +175,8 @@ def one_per_program() -> pl.BlockSpec:
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
-  """ShapeDtypeStruct with `like`'s manual-axis type, for a pallas_call inside shard_map.
-
-  jax 0.10 names the field ``manual_axis_type``; later versions may call it ``vma``.
-  """
-  aval = jax.typeof(like)
-  fields = inspect.signature(jax.ShapeDtypeStruct).parameters
-  for field in ("manual_axis_type", "vma"):
-    value = getattr(aval, field, None)
-    if field in fields and value is not None:
-      return jax.ShapeDtypeStruct(shape, dtype, **{field: value})
-  return jax.ShapeDtypeStruct(shape, dtype)
+  """ShapeDtypeStruct with `like`'s manual-axis type (for a pallas_call inside shard_map)."""
+  return _interop.shape_dtype_like(shape, dtype, like)
 
 
 def _aliases(inputs: Any, outputs: Any, offset: int, overwrites) -> dict[int, int]:
@@ -222,7 +195,9 @@ def _aliases(inputs: Any, outputs: Any, offset: int, overwrites) -> dict[int, in
   return out
 
 
-def launch(kernel, leading, inputs, outputs, *, table: Table, overwrites, out_specs=None, **kwargs):
+def launch(
+  kernel, leading, inputs, outputs, *, table: Table, overwrites, out_specs=None, **kwargs
+) -> Any:
   """One ``pallas_call`` of `kernel` over a bucket, with named operands; returns `outputs`' tree.
 
   `leading`: operands passed whole before the leaves' (scalars, ratios); `inputs`:
@@ -255,10 +230,12 @@ def launch(kernel, leading, inputs, outputs, *, table: Table, overwrites, out_sp
   return jax.tree.unflatten(out_def, result)
 
 
-def call(kernel, operands, *, block_sizes: BlockSizes, interpret: bool, **kwargs):
+def call(kernel, operands, *, block_sizes: BlockSizes, interpret: bool, **kwargs) -> Any:
   """pl.pallas_call(kernel, ...)(*operands) on Triton, without its DeprecationWarning."""
   # Explicit Triton parameters: with None, jax 0.9-0.11 would pick Mosaic GPU (docs/KERNELS.md).
   params = plt.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
   with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+    warnings.filterwarnings(
+      "ignore", message=_interop.TRITON_DEPRECATION, category=DeprecationWarning
+    )
     return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, **kwargs)(*operands)

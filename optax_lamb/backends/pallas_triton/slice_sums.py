@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from optax_lamb.backends.pallas import common
-from optax_lamb.backends.pallas.common import BlockSizes, Table
+from optax_lamb.backends.pallas_triton import common
+from optax_lamb.backends.pallas_triton.common import BlockSizes, Table
 
 
 def slot_ranges(tables: list[Table], slot_count: int) -> tuple[list[int], list[int]]:
@@ -35,7 +35,7 @@ def slot_ranges(tables: list[Table], slot_count: int) -> tuple[list[int], list[i
   return starts, counts
 
 
-def kernel(starts_ref, counts_ref, *refs, size: int):
+def kernel(starts_ref, counts_ref, *refs, size: int) -> None:
   """Slot i: the sums of its `counts[i]` partials from `starts[i]`, `size` at a time, for each
   partial vector (the first half of `refs`) into its output (the second half)."""
   part_refs, out_refs = refs[: len(refs) // 2], refs[len(refs) // 2 :]
@@ -43,7 +43,7 @@ def kernel(starts_ref, counts_ref, *refs, size: int):
   start, count = starts_ref[slot], counts_ref[slot]
   lanes = jnp.arange(size, dtype=jnp.int32)
 
-  def add(i, acc):
+  def add(i, acc) -> tuple[jax.Array, ...]:
     offset = i * size
     mask = offset + lanes < count
     return tuple(
@@ -58,7 +58,9 @@ def kernel(starts_ref, counts_ref, *refs, size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def slice_sums(starts, counts, partials, *, block_sizes: BlockSizes, interpret: bool):
+def slice_sums(
+  starts, counts, partials, *, block_sizes: BlockSizes, interpret: bool
+) -> tuple[jax.Array, ...]:
   """Per ratio slot, the sums of each row of `partials` (pass 1's, the launches concatenated)."""
   parts = tuple(partials)
   out = common.out_struct(starts.shape, jnp.float32, partials)
@@ -82,7 +84,7 @@ def slot_operands(starts: list[int], counts: list[int]) -> tuple[jax.Array, jax.
   return jnp.asarray(np.asarray(starts, np.int32)), jnp.asarray(np.asarray(counts, np.int32))
 
 
-def reference(starts, counts, partials):
+def reference(starts, counts, partials) -> tuple[jax.Array, ...]:
   """Per slot, the sum of each row of `partials`."""
   sums = lambda part: jnp.stack(
     [jnp.sum(part[a : a + n]) for a, n in zip(starts, counts, strict=True)]

@@ -4,7 +4,7 @@ One program per chunk of an adapted leaf, a bucket of leaves per launch. It
 reads p, g, m, v; writes m', v' in place where the moments are stored
 unrounded (else pass 2 recomputes them from g and the old moments); and
 writes per chunk the partial sums of each squared norm at every
-`_norms.SCALES` (plain, and scaled for where the plain one over- or
+`_ratios.SCALES` (plain, and scaled for where the plain one over- or
 underflows: extra arithmetic, no extra bytes), which `slice_sums` adds up per
 leaf or stacked slice.
 """
@@ -16,9 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _leaf, _norms
-from optax_lamb.backends.pallas import common
-from optax_lamb.backends.pallas.common import BlockSizes, LeafChunks, Table
+from optax_lamb import _leaf, _ratios
+from optax_lamb._options import LambOptions
+from optax_lamb.backends.pallas_triton import common
+from optax_lamb.backends.pallas_triton.common import BlockSizes, LeafChunks, Table
 
 _INPUTS = ("g", "m", "p", "v")
 
@@ -27,36 +28,40 @@ def _writes_moments(c: LeafChunks) -> bool:
   return not c.leaf.narrow_moments
 
 
-def kernel(scalars_ref, *refs, table: Table, block: int, constants, in_def, out_def):
+def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, scalar_layout,
+           in_def, out_def) -> None:  # fmt: skip
   """m', v' (in place where stored unrounded) and the chunk's partial sums of ||p||^2, ||u||^2
-  at every `_norms.SCALES` (six numbers: p's three, then u's)."""
+  at every `_ratios.SCALES` (six numbers: p's three, then u's)."""
   ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
   moments_out, part_refs = jax.tree.unflatten(out_def, refs[in_def.num_leaves :])
-  h = common.load_hyperparams(scalars_ref, constants)
+  o, s = options, common.load_scalars(scalars_ref, scalar_layout)
 
-  def body(pid, j, c):
+  def body(pid, j, c) -> None:
     _, start, mask = common.chunk(pid, c, block)
     x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
-    m, v = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
+    m, v = _leaf.moments(x["g"], x["m"], x["v"], o, s, p=x["p"], decay=c.leaf.decay)
     # Every input of this chunk is read above, before its alias is written.
     for name, value in (("m", m), ("v", v)):
       if name in moments_out[j]:
         common.store(moments_out[j][name], start, mask, block, value)
-    u = _leaf.direction(m, v, x["p"], h, decay=c.leaf.decay)
-    p = _leaf.ratio_params(x["p"], h, decay=c.leaf.decay)
-    sums = (*common.masked_sq_sums(p, mask), *common.masked_sq_sums(u, mask))
+    u = _leaf.direction(m, v, x["p"], o, s, decay=c.leaf.decay)
+    p = _leaf.ratio_params(x["p"], o, s, decay=c.leaf.decay)
+    sums = (*_ratios.block_sq_sums(p, mask), *_ratios.block_sq_sums(u, mask))
     for ref, value in zip(part_refs, sums, strict=True):
       ref[...] = value
 
   common.for_each_leaf(table, body)
 
 
-@functools.partial(jax.jit, static_argnames=("table", "constants", "block_sizes", "interpret"))
-def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSizes, interpret):
+@functools.partial(
+  jax.jit, static_argnames=("table", "options", "scalar_layout", "block_sizes", "interpret")
+)
+def moments_and_norms(scalars, leaves, *, table, options, scalar_layout, block_sizes: BlockSizes,
+                      interpret) -> tuple[list[dict], jax.Array]:  # fmt: skip
   """Pass 1 over one bucket. `leaves`: per leaf of `table`, ``{g, m, p, v}`` flat arrays.
 
   Returns (per leaf ``{m, v}`` for the leaves whose moments it writes, else ``{}``;
-  the partial sums, ``[6, program]``: p's at each `_norms.SCALES`, then u's).
+  the partial sums, ``[6, program]``: p's at each `_ratios.SCALES`, then u's).
   """
   for j, x in enumerate(leaves):
     for name in _INPUTS:
@@ -72,7 +77,7 @@ def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSi
     else {}
     for c, x in zip(table, leaves, strict=True)
   ]
-  parts = (partial,) * (2 * len(_norms.SCALES))
+  parts = (partial,) * (2 * len(_ratios.SCALES))
   written, sums = common.launch(
     kernel,
     (scalars,),
@@ -82,7 +87,8 @@ def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSi
     # m', v' (output paths (0, j, name)) overwrite m, v (input paths (j, name))
     overwrites=lambda path: path[1:] if path[0].idx == 0 else None,
     table=table,
-    constants=constants,
+    options=options,
+    scalar_layout=scalar_layout,
     block_sizes=block_sizes,
     interpret=interpret,
     name="lamb_moments_and_norms",
@@ -90,18 +96,21 @@ def moments_and_norms(scalars, leaves, *, table, constants, block_sizes: BlockSi
   return written, jnp.stack(sums)  # one array: the driver joins the launches in one go
 
 
-def reference(h: _leaf.Hyperparams, x, c: LeafChunks, block: int):
+def reference(
+  o: LambOptions, s, x, c: LeafChunks, block: int
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
   """What pass 1 computes for one flat leaf `x` ({g, m, p, v}): (m', v', the six partials)."""
-  m_new, v_new = _leaf.moments(x["g"], x["m"], x["v"], h, p=x["p"], decay=c.leaf.decay)
-  u = _leaf.direction(m_new, v_new, x["p"], h, decay=c.leaf.decay)
+  m_new, v_new = _leaf.moments(x["g"], x["m"], x["v"], o, s, p=x["p"], decay=c.leaf.decay)
+  u = _leaf.direction(m_new, v_new, x["p"], o, s, decay=c.leaf.decay)
 
-  def partials(y):
+  def partials(y) -> tuple[jax.Array, ...]:
     y = y.astype(jnp.float32).reshape(c.leaf.slices, c.leaf.length)
     y = jnp.pad(y, ((0, 0), (0, c.chunks * block - c.leaf.length)))
     return tuple(
-      jnp.sum(jnp.square(y * s).reshape(c.programs, block), axis=1) for s in _norms.SCALES
+      jnp.sum(_ratios.squares(y, scale).reshape(c.programs, block), axis=1)
+      for scale in _ratios.SCALES
     )
 
-  p = _leaf.ratio_params(x["p"], h, decay=c.leaf.decay)
+  p = _leaf.ratio_params(x["p"], o, s, decay=c.leaf.decay)
   moments = (m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype))
   return moments, jnp.stack((*partials(p), *partials(u)))

@@ -1,11 +1,11 @@
-"""The Pallas backend: one lamb step on the kernels, and where they run.
+"""The Pallas Triton backend: one lamb step on the kernels, and where they run.
 
 The step, from the plan (`optax_lamb._plan`), for the tree's leaves:
 
 1. `pass1` over the adapted leaves, in buckets: m', v' in place where the
    moments are stored unrounded, and per-chunk partial sums;
 2. one `slice_sums` launch for the whole tree: ||p||^2 and ||u||^2 per leaf
-   (or stacked slice); then in XLA the ratio vector (`_leaf.trust_ratios`:
+   (or stacked slice); then in XLA the ratio vector (`_ratios.ratio_vector`:
    one ``psum`` per mapped axis name, the formula, ratio 1 off adaptation);
 3. `pass2` in buckets, or, for large leaves in ``tx.update``, its jnp twin,
    which XLA fuses with the caller's ``optax.apply_updates``.
@@ -24,17 +24,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from optax_lamb import _ratios
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 from optax_lamb.backends import per_device
-from optax_lamb.backends.pallas import common, pass1, pass2, slice_sums
-from optax_lamb.backends.pallas.common import BlockSizes
+from optax_lamb.backends.pallas_triton import common, pass1, pass2, slice_sums
+from optax_lamb.backends.pallas_triton.common import BlockSizes
 
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasBackend:
-  """The Pallas (Triton) kernels, with their launch configuration.
+class PallasTritonBackend:
+  """The Pallas Triton kernels, with their launch configuration.
 
   Attributes:
     block_sizes: the launch sizes (`BlockSizes`).
@@ -42,7 +43,8 @@ class PallasBackend:
       the default backend is not a GPU.
   """
 
-  name = "pallas"
+  name = "pallas_triton"
+  differentiable = False  # a pallas_call with aliased buffers: the XLA step's derivatives
   block_sizes: BlockSizes = BlockSizes()
   interpret: bool | None = None
 
@@ -68,7 +70,7 @@ class PallasBackend:
 
   def unsupported_reason(self, plan: StepPlan, leaves: list[LeafArrays]) -> str | None:
     """Why the kernels cannot take these leaves (the step then runs on XLA), or None."""
-    if plan.hyper.caution:
+    if plan.options.caution:
       return "caution needs each leaf's mean of [u g > 0] before u, a reduction the kernels lack"
     for leaf, x in zip(plan.leaves, leaves, strict=True):
       if leaf.size == 0:
@@ -89,31 +91,41 @@ class PallasBackend:
     Under ``jax.jit`` over sharded arrays the kernels run on each device's shards
     (`optax_lamb.backends.per_device`): a pallas_call is opaque to XLA's partitioner.
     """
+    if per_device.mode(leaves)[0] == per_device.AS_IS:  # one device, or inside shard_map
+      return self._step(plan, leaves, apply=apply)
     return per_device.step(self._step, plan, leaves, apply=apply)
 
   def _step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
     """The step on the arrays as given: one device's, or the local shards inside shard_map."""
     launch = dict(block_sizes=self.block_sizes, interpret=self.runs_interpreted())
-    scalars, constants = common.scalar_operands(plan.hyper)
-    flat = lambda x: jnp.reshape(x, (-1,))
+    scalars, scalar_layout = common.scalar_operands(plan.scalars)
+    static = dict(options=plan.options, scalar_layout=scalar_layout, **launch)
     mu, nu = [x.m for x in leaves], [x.v for x in leaves]
 
     # Pass 1 over the adapted leaves; the moments it writes replace mu, nu.
     tables = common.buckets([leaf for leaf in plan.leaves if leaf.adapt], self.block_sizes)
     parts = []  # per launch, its partial sums [6, program]
     for table in tables:
-      operands = [flat_arrays(leaves[c.leaf.index], flat) for c in table]
-      written, launch_parts = pass1.moments_and_norms(
-        scalars, operands, table=table, constants=constants, **launch
-      )
+      operands = [flat_arrays(leaves[c.leaf.index], _flat) for c in table]
+      written, launch_parts = pass1.moments_and_norms(scalars, operands, table=table, **static)
       for c, moments in zip(table, written, strict=True):
         if moments:
           mu[c.leaf.index] = moments["m"].reshape(c.leaf.shape)
           nu[c.leaf.index] = moments["v"].reshape(c.leaf.shape)
       parts.append(launch_parts)
-    ratios = self._ratios(plan, tables, parts, launch)
+    ratios = self._ratio_vector(plan, tables, parts, launch)
+    out = self._pass2(plan, leaves, mu, nu, scalars, ratios, static, apply=apply)
+    return StepResult(out, mu, nu, ratios)
 
-    # Pass 2: from the new moments, or from g and the old ones (`pass2.from_grads`).
+  def _pass2(self, plan: StepPlan, leaves: list[LeafArrays], mu: list, nu: list, scalars,
+             ratios, static: dict, *, apply: bool) -> list:  # fmt: skip
+    """The updates (or new params) of every leaf; `mu`, `nu` get the moments pass 2 writes.
+
+    From the new moments, or from g and the old ones (`pass2.from_grads`); in
+    ``tx.update``, large leaves take pass 2's jnp twin (XLA fuses it with the
+    caller's ``optax.apply_updates``), the others the kernel, a bucket a launch.
+    """
+
     def inputs(leaf: LeafPlan, reshape=lambda a: a) -> dict:
       x = leaves[leaf.index]
       arrays = {"g": x.g, "m": x.m, "v": x.v, "p": x.p}
@@ -135,27 +147,19 @@ class PallasBackend:
     in_xla = lambda leaf: not apply and leaf.size >= self.block_sizes.xla_pass2_min_size
     for leaf in plan.leaves:
       if leaf.size and in_xla(leaf):
-        take(leaf, pass2.reference(plan.hyper, leaf, inputs(leaf), ratios, apply=False))
-    for table in common.buckets(
-      [leaf for leaf in plan.leaves if not in_xla(leaf)], self.block_sizes
-    ):
-      results = pass2.updates(
-        scalars,
-        ratios,
-        [inputs(c.leaf, flat) for c in table],
-        table=table,
-        constants=constants,
-        apply=apply,
-        **launch,
-      )
+        o, s = plan.options, plan.scalars
+        take(leaf, pass2.reference(o, s, leaf, inputs(leaf), ratios, apply=False))
+    for table in common.buckets([x for x in plan.leaves if not in_xla(x)], self.block_sizes):
+      operands = [inputs(c.leaf, _flat) for c in table]
+      results = pass2.updates(scalars, ratios, operands, table=table, apply=apply, **static)
       for c, result in zip(table, results, strict=True):
         take(c.leaf, result)
-    return StepResult(out, mu, nu, ratios)
+    return out
 
-  def _ratios(self, plan: StepPlan, tables, parts, launch) -> jax.Array:
+  def _ratio_vector(self, plan: StepPlan, tables, parts, launch) -> jax.Array:
     """The ratio vector: the adapted slots' trust ratios from their partial sums, 1 elsewhere.
 
-    Pass 1 sums the squares at every `_norms.SCALES` in the same pass (a rescaling
+    Pass 1 sums the squares at every `_ratios.SCALES` in the same pass (a rescaling
     branch here crashed XLA:CPU's compiler on an interpreted-kernel test, jax 0.10.2).
     """
     slots = plan.layout.size
@@ -167,8 +171,14 @@ class PallasBackend:
       jnp.concatenate(parts, axis=1),
       **launch,
     )
-    half = len(sums) // 2
-    return plan.ratios_from_slots(sums[:half], sums[half:])
+    names = plan.slot_names
+    p_plain, p_down, p_up, u_plain, u_down, u_up = (_ratios.psum_slots(x, names) for x in sums)
+    by_slot = _ratios.SlotSums(p_plain, u_plain, (p_down, p_up, u_down, u_up))
+    return _ratios.ratio_vector(by_slot, plan.scalars, plan.adapted_slots)
+
+
+def _flat(x: jax.Array) -> jax.Array:
+  return jnp.reshape(x, (-1,))
 
 
 def flat_arrays(x: LeafArrays, flat) -> dict:

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from optax_lamb import _leaf
+from optax_lamb._options import LambOptions, StepScalars
 from optax_lamb._plan import LeafPlan
-from optax_lamb.backends.pallas import common
-from optax_lamb.backends.pallas.common import BlockSizes, Table
+from optax_lamb.backends.pallas_triton import common
+from optax_lamb.backends.pallas_triton.common import BlockSizes, Table
 
 
 def from_grads(leaf: LeafPlan) -> bool:
@@ -36,43 +37,63 @@ def _outputs_like(leaf: LeafPlan) -> dict[str, str]:
   return {"out": "p", "m": "m", "v": "v"} if from_grads(leaf) else {"out": "p"}
 
 
-def _leaf_step(h, leaf: LeafPlan, x: dict, ratio, *, apply: bool) -> dict:
+def _leaf_step(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratio, *,
+               apply: bool) -> dict:  # fmt: skip
   """The outputs of one leaf (or one chunk of it), from its named inputs."""
   out = {}
   m, v = x["m"], x["v"]
   if from_grads(leaf):
-    m, v = _leaf.moments(x["g"], m, v, h, p=x["p"], decay=leaf.decay)
+    m, v = _leaf.moments(x["g"], m, v, o, s, p=x["p"], decay=leaf.decay)
     out["m"], out["v"] = m, v
-  u = _leaf.direction(m, v, x["p"], h, decay=leaf.decay)
+  u = _leaf.direction(m, v, x["p"], o, s, decay=leaf.decay)
   ratio = ratio if leaf.adapt else None
-  out["out"] = _leaf.update(u, x["p"], ratio, h, apply=apply, decay=leaf.decay)
+  out["out"] = _leaf.update(u, x["p"], ratio, o, s, apply=apply, decay=leaf.decay)
   return out
 
 
 def kernel(
-  scalars_ref, ratios_ref, *refs, table: Table, block: int, constants, apply, in_def, out_def
-):
+  scalars_ref,
+  ratios_ref,
+  *refs,
+  table: Table,
+  block: int,
+  options: LambOptions,
+  scalar_layout,
+  apply,
+  in_def,
+  out_def,
+) -> None:
   """Per chunk: u again, times the trust ratio and -lr; m', v' too where computed from g."""
   ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
   outs = jax.tree.unflatten(out_def, refs[in_def.num_leaves :])
-  h = common.load_hyperparams(scalars_ref, constants)
+  s = common.load_scalars(scalars_ref, scalar_layout)
 
-  def body(pid, j, c):
+  def body(pid, j, c) -> None:
     slice_index, start, mask = common.chunk(pid, c, block)
     x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
     ratio = ratios_ref[c.leaf.ratio_offset + slice_index] if c.leaf.adapt else None
-    for name, value in _leaf_step(h, c.leaf, x, ratio, apply=apply).items():
+    for name, value in _leaf_step(options, s, c.leaf, x, ratio, apply=apply).items():
       common.store(outs[j][name], start, mask, block, value)
 
   common.for_each_leaf(table, body)
 
 
 @functools.partial(
-  jax.jit, static_argnames=("table", "constants", "apply", "block_sizes", "interpret")
+  jax.jit,
+  static_argnames=("table", "options", "scalar_layout", "apply", "block_sizes", "interpret"),
 )
 def updates(
-  scalars, ratios, leaves, *, table, constants, apply, block_sizes: BlockSizes, interpret
-):
+  scalars,
+  ratios,
+  leaves,
+  *,
+  table,
+  options,
+  scalar_layout,
+  apply,
+  block_sizes: BlockSizes,
+  interpret,
+) -> list[dict]:
   """Pass 2 over one bucket. `leaves`: per leaf of `table`, its `input_names` as flat arrays.
 
   Returns per leaf ``{out, m, v}`` (``{out}`` where pass 1 wrote the moments):
@@ -87,7 +108,9 @@ def updates(
     for c, x in zip(table, inputs, strict=True)
   ]
 
-  def overwrites(path):  # (j, name) -> (j, the input it overwrites); the updates only with apply
+  def overwrites(
+    path,
+  ) -> tuple | None:  # (j, name) -> (j, the input it overwrites); the updates only with apply
     j, name = path[0].idx, path[1].key
     if name == "out" and not apply:
       return None
@@ -100,7 +123,8 @@ def updates(
     outputs,
     overwrites=overwrites,
     table=table,
-    constants=constants,
+    options=options,
+    scalar_layout=scalar_layout,
     apply=apply,
     block_sizes=block_sizes,
     interpret=interpret,
@@ -108,7 +132,8 @@ def updates(
   )
 
 
-def reference(h: _leaf.Hyperparams, leaf: LeafPlan, x: dict, ratios, *, apply: bool) -> dict:
+def reference(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratios, *,
+              apply: bool) -> dict:  # fmt: skip
   """Pass 2 for one leaf of any shape (flat, or as stacked), in jnp: its outputs by name.
 
   `x` holds the leaf's `input_names`; `ratios` is the step's whole ratio vector.
@@ -117,6 +142,6 @@ def reference(h: _leaf.Hyperparams, leaf: LeafPlan, x: dict, ratios, *, apply: b
   # One row per stacked slice (a bitcast in XLA), so each row takes its slice's ratio.
   rows = {name: jnp.reshape(a, (leaf.slices, leaf.length)) for name, a in x.items()}
   ratio = ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices, None]
-  out = _leaf_step(h, leaf, rows, ratio, apply=apply)
+  out = _leaf_step(o, s, leaf, rows, ratio, apply=apply)
   stored = {"m": x["m"].dtype, "v": x["v"].dtype, "out": x["p"].dtype}
   return {name: jnp.reshape(a.astype(stored[name]), shape) for name, a in out.items()}

@@ -1,8 +1,8 @@
-"""The optimizer state handed to an update, against what ``init(params)`` gives for those params.
+"""Why a tree or a state does not fit: the descriptions behind the errors of `optax_lamb._checks`.
 
-Runs on shapes and dtypes only (``jax.eval_shape(init, params)``), at trace
-time, so a jitted step pays nothing for it; it raises before anything is
-computed, naming the first path where the state differs and how to fix it.
+Only a call that is about to fail (or a Flax NNX state, whose layouts' tree
+metadata differ between init and update) comes here; a call whose trees and
+state fit never does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb._state import RatioLayout
+from optax_lamb import _checks  # its leaf helpers, read when an error is described
+from optax_lamb._ratios import RatioLayout
 
 RESTORE_HINT = (
   "This looks like a checkpoint restored without a target (orbax and flax.serialization then "
@@ -47,16 +48,12 @@ _ABSTRACT_HINT = (
 )
 
 
-class _Mismatch(Exception):
+class Mismatch(Exception):
   """Where the given state first differs from the expected one, and how."""
 
-  def __init__(self, path: tuple, message: str, hint: str):
+  def __init__(self, path: tuple, message: str, hint: str) -> None:
     super().__init__(message)
     self.path, self.message, self.hint = path, message, hint
-
-
-def _dtype(leaf: Any) -> np.dtype:
-  return jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else np.dtype(leaf.dtype)
 
 
 def _type_name(t: type) -> str:
@@ -69,6 +66,7 @@ def _node(x: Any) -> tuple[type, list[tuple[Any, Any]]] | None:
   """(node type, [(key, child)]) one level down, or None when `x` is a leaf."""
   if x is None:
     return type(None), []
+  treedef: Any
   kids, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
   if treedef.num_nodes == 1 and treedef.num_leaves == 1:
     return None
@@ -81,7 +79,7 @@ def _describe(x: Any) -> str:
     return "None"
   node = _node(x)
   if node is None:
-    return f"an array of shape {tuple(jnp.shape(x))} and dtype {_dtype(x)}"
+    return f"an array of shape {tuple(jnp.shape(x))} and dtype {_checks.dtype_of(x)}"
   kind, kids = node
   if isinstance(x, dict):
     return f"a dict with keys {sorted(map(str, x))}"
@@ -99,35 +97,15 @@ def _restored(got: Any) -> bool:
   return got is None or isinstance(got, dict | list)
 
 
-def _same_kind(got: np.dtype, want: Any) -> bool:
-  if jnp.issubdtype(want, jnp.integer):  # step counts: any integer width (a restore may widen)
-    return jnp.issubdtype(got, jnp.integer)
-  return got == np.dtype(want)
-
-
-def _leaf_info(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
-  """(shape, dtype) of an array-like leaf; None for anything else (a string, an object).
-
-  A ``jax.ShapeDtypeStruct`` (what ``jax.eval_shape(init, params)`` gives) has no
-  values: inside ``jit``/``eval_shape`` the state's leaves are tracers instead.
-  """
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return None
-  try:
-    return tuple(jnp.shape(x)), _dtype(x)
-  except TypeError:
-    return None
-
-
 def _compare_layout(got: Any, want: RatioLayout, path: tuple) -> None:
   if not isinstance(got, RatioLayout):
-    raise _Mismatch(
+    raise Mismatch(
       path,
       f"is {_describe(got)} where the trust-ratio layout (a static RatioLayout) is expected",
       RESTORE_HINT if _restored(got) else _OPTIONS_HINT,
     )
   if got.shapes != want.shapes:
-    raise _Mismatch(
+    raise Mismatch(
       path,
       f"is the trust-ratio layout of other params or stacked_axes: ratio shapes per leaf "
       f"{list(got.shapes)}, these params need {list(want.shapes)}",
@@ -139,21 +117,21 @@ def _compare_array(got: Any, want: Any, path: tuple) -> None:
   expected = f"an array of shape {tuple(want.shape)} and dtype {np.dtype(want.dtype)}"
   if _node(got) is not None:
     hint = RESTORE_HINT if _restored(got) else _OPTIONS_HINT
-    raise _Mismatch(path, f"is {_describe(got)} where {expected} is expected", hint)
-  info = _leaf_info(got)
+    raise Mismatch(path, f"is {_describe(got)} where {expected} is expected", hint)
+  info = _checks.leaf_info(got)
   if info is None:
     hint = _ABSTRACT_HINT if isinstance(got, jax.ShapeDtypeStruct) else _OPTIONS_HINT
-    raise _Mismatch(path, f"is {got!r} ({type(got).__name__}) where {expected} is expected", hint)
+    raise Mismatch(path, f"is {got!r} ({type(got).__name__}) where {expected} is expected", hint)
   shape, dtype = info
   if shape != tuple(want.shape):
-    raise _Mismatch(
+    raise Mismatch(
       path,
       f"has shape {shape} where init(params) gives shape {tuple(want.shape)} for these params",
       _OTHER_PARAMS_HINT,
     )
-  if not _same_kind(dtype, want.dtype):
+  if not _checks.same_kind(dtype, want.dtype):
     counter = jnp.issubdtype(want.dtype, jnp.integer)
-    raise _Mismatch(
+    raise Mismatch(
       path,
       f"has dtype {dtype} where init(params) gives dtype {np.dtype(want.dtype)} for these params",
       _COUNT_HINT if counter else _DTYPE_HINT,
@@ -171,11 +149,13 @@ def _key_differences(got_keys: list[str], want_keys: list[str]) -> str:
 
 
 def _compare_node(got: Any, want: Any, path: tuple) -> None:
-  want_type, want_kids = _node(want)
+  want_node = _node(want)
+  assert want_node is not None  # `compare` sends leaves to `_compare_array`
+  want_type, want_kids = want_node
   got_node = _node(got)
   if got_node is None or got_node[0] is not want_type:
     restored = _restored(got) and not isinstance(want, dict | list)
-    raise _Mismatch(
+    raise Mismatch(
       path,
       f"is {_describe(got)} where init(params) gives {_describe(want)}",
       RESTORE_HINT if restored else _OPTIONS_HINT,
@@ -186,17 +166,17 @@ def _compare_node(got: Any, want: Any, path: tuple) -> None:
   if got_keys != want_keys:
     sequence = want_type in (tuple, list) or hasattr(want_type, "_fields")
     details = "" if sequence else _key_differences(got_keys, want_keys)  # a sequence: both said
-    raise _Mismatch(
+    raise Mismatch(
       path,
       f"is {_describe(got)} where init(params) gives {_describe(want)}"
       + (f" ({details})" if details else ""),
       "The state was made for other params or by another optimizer. " + _OPTIONS_HINT,
     )
   for (key, g), (_, w) in zip(got_kids, want_kids, strict=True):
-    _compare(g, w, (*path, key))
+    compare(g, w, (*path, key))
 
 
-def _compare(got: Any, want: Any, path: tuple) -> None:
+def compare(got: Any, want: Any, path: tuple) -> None:
   """Raise _Mismatch at the first place where `got` differs from the expected `want`."""
   if isinstance(want, RatioLayout):
     _compare_layout(got, want, path)
@@ -206,55 +186,80 @@ def _compare(got: Any, want: Any, path: tuple) -> None:
     _compare_node(got, want, path)
 
 
-def _fits(got: Any, want: Any) -> bool:
-  info = _leaf_info(got)
-  return info is not None and info[0] == tuple(want.shape) and _same_kind(info[1], want.dtype)
-
-
-def _is_layout(x: Any) -> bool:
-  return isinstance(x, RatioLayout)
-
-
-def _with_placeholder_layouts_filled(state: Any, expected: Any) -> Any:
-  """`state` with each layout that ``optax.tree_map_params`` left as its placeholder's replaced.
-
-  tree_map_params maps a state made by ``init(placeholder)``, which knows no params.
-  """
-  leaves, treedef = jax.tree.flatten(state, is_leaf=_is_layout)
-  if not any(_is_layout(x) and x.treedef is None for x in leaves):
-    return state
-  expected_leaves = jax.tree.leaves(expected, is_leaf=_is_layout)
-  if len(expected_leaves) != len(leaves):
-    return state
-  leaves = [
-    w if _is_layout(g) and g.treedef is None and _is_layout(w) else g
-    for g, w in zip(leaves, expected_leaves, strict=True)
-  ]
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def check_state(state: Any, expected: Any, who: str) -> Any:
-  """Raise a ValueError if `state` is not a state that `who`'s init gives for these params.
-
-  `expected` is ``jax.eval_shape(init, params)``. The structure (node types, keys),
-  each array's shape and each dtype must match (step counts may have any integer
-  dtype); trust-ratio layouts are compared by their ratio shapes (flax's nnx.State
-  params give layouts whose tree metadata differs between init and update).
-
-  Returns `state`, where a trust-ratio layout left as a placeholder's is replaced
-  by the layout of these params.
-  """
-  state = _with_placeholder_layouts_filled(state, expected)
-  got_leaves, got_def = jax.tree.flatten(state)
-  want_leaves, want_def = jax.tree.flatten(expected)
-  if got_def == want_def and all(map(_fits, got_leaves, want_leaves)):
-    return state
+def state_mismatch(state: Any, expected: Any, who: str) -> str | None:
+  """Why `state` is not what `who`'s init gives (`expected`, its shapes), or None where it fits
+  up to the trust-ratio layouts' tree metadata (compared by their ratio shapes)."""
   try:
-    _compare(state, expected, ())
-  except _Mismatch as m:
+    compare(state, expected, ())
+  except Mismatch as m:
     where = "state" + jax.tree_util.keystr(m.path)
-    raise ValueError(
+    return (
       f"{who}: the optimizer state does not fit this optimizer and these params: {where} "
       f"{m.message}. {m.hint}"
-    ) from None
-  return state
+    )
+  return None
+
+
+def _paths(tree) -> list[str]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+  return [jax.tree_util.keystr(path) or "<root>" for path, _ in leaves]
+
+
+def _none_paths(tree) -> set[str]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+  return {jax.tree_util.keystr(path) or "<root>" for path, leaf in leaves if leaf is None}
+
+
+def structure_mismatch(tree: Any, tree_name: str, reference: Any, reference_name: str) -> str:
+  """Why two pytrees differ: the paths in one and not the other, None entries, containers."""
+  ours, theirs = _paths(tree), _paths(reference)
+  only_ours = [p for p in ours if p not in set(theirs)]
+  only_theirs = [p for p in theirs if p not in set(ours)]
+  details = []
+  if only_ours:
+    details.append(f"in {tree_name} but not in {reference_name}: {only_ours[:10]}")
+  if only_theirs:
+    details.append(f"in {reference_name} but not in {tree_name}: {only_theirs[:10]}")
+  none_ours, none_theirs = _none_paths(tree), _none_paths(reference)
+  common = set(ours) & set(theirs)
+  if none_ours - none_theirs & common:
+    details.append(
+      f"None in {tree_name} but not in {reference_name}: {sorted(none_ours - none_theirs & common)[:10]}"
+    )
+  if none_theirs - none_ours & common:
+    details.append(
+      f"None in {reference_name} but not in {tree_name}: {sorted(none_theirs - none_ours & common)[:10]}"
+    )
+  if not details:
+    details.append(
+      f"same leaf paths, different containers: {jax.tree.structure(tree)} vs "
+      f"{jax.tree.structure(reference)}"
+    )
+  return f"The structure of {tree_name} does not match {reference_name}; " + "; ".join(details)
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _short(treedef: Any, limit: int = 300) -> str:
+  text = str(treedef)
+  return text if len(text) <= limit else text[:limit] + "...)"
+
+
+def prefix_mismatch(option: Any, name: str, params: Any) -> str:
+  """Why `option` is not a pytree prefix of `params`: both structures, and the paths that differ."""
+  ours, theirs = _paths(option), _paths(params)
+  under = lambda path, prefix: prefix == "<root>" or path.startswith(prefix)
+  only_ours = [p for p in ours if not any(under(q, p) for q in theirs)]
+  only_theirs = [q for q in theirs if not any(under(q, p) for p in ours)]
+  details = [
+    f"in {name} but not in params: {only_ours[:10]}" if only_ours else "",
+    f"in params but not in {name}: {only_theirs[:10]}" if only_theirs else "",
+  ]
+  details = [d for d in details if d] or ["same paths, different containers"]
+  return (
+    f"{name} must be a pytree prefix of the params (or a callable(params) returning one): "
+    f"params structure {_short(jax.tree.structure(params))}, {name} structure "
+    f"{_short(jax.tree.structure(option, is_leaf=_is_none))}; " + "; ".join(details)
+  )

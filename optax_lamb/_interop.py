@@ -1,0 +1,75 @@
+"""Where optax_lamb leans on other libraries' private names or registries, each with why and the
+versions it was checked on (jax 0.10.0-0.10.2 and 0.11.2, optax 0.2.5-0.2.8, flax 0.12).
+
+Nothing else in the package imports a private name of jax, optax or flax.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Any
+
+import jax
+
+# optax.tree_map_params calls init with this placeholder to find the state's param-shaped parts
+# (optax/tree_utils/_state_utils.py, private). A missing name: nothing is a placeholder.
+try:
+  from optax.tree_utils._state_utils import _ParamsPlaceholder
+except ImportError:  # pragma: no cover
+  _ParamsPlaceholder = ()
+
+# The tracer of jax.jit's tracing (jax/_src/interpreters/partial_eval.py); any other tracer
+# belongs to a transformation (vmap, jvp) that custom_partitioning cannot take.
+_JitTracer: type
+try:
+  from jax.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
+except ImportError:  # pragma: no cover
+  _JitTracer = jax.core.Tracer
+
+# jax 0.11 warns at each lowering of a Pallas Triton kernel; this exact message, nothing else.
+TRITON_DEPRECATION = (
+  r"The Pallas Triton backend is deprecated and will be removed in a future JAX version\."
+)
+
+
+def is_params_placeholder(x: Any) -> bool:
+  """Whether `x` is optax.tree_map_params' stand-in for the params."""
+  return isinstance(x, _ParamsPlaceholder)
+
+
+def is_jit_tracer(x: Any) -> bool:
+  """Whether `x` is traced by jax.jit (not by vmap, jvp or another transformation)."""
+  return isinstance(x, _JitTracer)
+
+
+def shape_dtype_like(shape: tuple[int, ...], dtype: Any, like: Any) -> jax.ShapeDtypeStruct:
+  """ShapeDtypeStruct with `like`'s manual-axis type, for a pallas_call inside shard_map.
+
+  jax 0.10 names the field ``manual_axis_type``; later versions may call it ``vma``.
+  """
+  aval = jax.typeof(like)
+  fields = inspect.signature(jax.ShapeDtypeStruct).parameters
+  for field in ("manual_axis_type", "vma"):
+    value = getattr(aval, field, None)
+    if field in fields and value is not None:
+      return jax.ShapeDtypeStruct(shape, dtype, **{field: value})
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def register_layout_with_flax(layout_type: type) -> None:
+  """Teach flax.serialization (if installed) the static trust-ratio layout: nothing is saved,
+  the target's layout is kept on restore.
+
+  flax.serialization serializes unknown types as they are, and msgpack then fails on
+  the layout object; orbax and jax's own tree functions need nothing (a static node).
+  """
+  if importlib.util.find_spec("flax") is None:
+    return
+  try:
+    from flax import serialization
+  except Exception:  # a broken flax install must not break this package
+    return
+  serialization.register_serialization_state(
+    layout_type, lambda _: {}, lambda target, _: target, override=True
+  )

@@ -1,0 +1,126 @@
+"""The package's shape: one update's walk through its modules, module and function sizes.
+
+One ``tx.update`` of lamb on the XLA path crosses at most 8 of the package's
+files, top to bottom: a module calls only modules below it in `XLA_PATH`, never
+back up (docs/architecture.md draws both paths). The Pallas path keeps the same
+rule, with its backend package in place of ``backends/xla.py``. The walk is
+recorded with ``sys.setprofile`` while the update is traced (its Python runs
+once, at trace time).
+"""
+
+import ast
+import collections
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optax_lamb
+
+PACKAGE = Path(optax_lamb.__file__).resolve().parent
+
+# Top to bottom: a module may call the ones after it, never one before it.
+XLA_PATH = [
+  "_transform.py",
+  "_registry.py",
+  "backends/xla.py",
+  "_plan.py",
+  "_checks.py",
+  "_ratios.py",
+  "_leaf.py",
+  "_options.py",
+]
+PALLAS_BACKEND = [
+  "backends/pallas_triton/driver.py",
+  "backends/per_device.py",
+  "backends/pallas_triton/pass1.py",
+  "backends/pallas_triton/slice_sums.py",
+  "backends/pallas_triton/pass2.py",
+  "backends/pallas_triton/common.py",
+]
+PALLAS_PATH = XLA_PATH[:2] + PALLAS_BACKEND + XLA_PATH[3:]
+
+
+def _walk(implementation: str) -> tuple[list[str], collections.Counter]:
+  """(the package files one traced update enters, the calls between them: caller -> callee)."""
+  params = {"w": jnp.ones((4, 300)), "b": jnp.zeros(3), "s": jnp.ones((2, 3, 5))}
+  tx = optax_lamb.lamb(
+    1e-3, weight_decay=0.01, max_grad_norm=1.0, stacked_axes={"w": 0, "b": 0, "s": 1},
+    implementation=implementation,
+  )  # fmt: skip
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  jax.jit(tx.update).lower(grads, state, params)  # imports and caches (eval_shape of init)
+  files, edges = [], collections.Counter()
+
+  def package_file(frame) -> str | None:
+    name = frame.f_code.co_filename
+    return os.path.relpath(name, PACKAGE) if name.startswith(str(PACKAGE)) else None
+
+  def profile(frame, event, arg):
+    if event != "call" or (callee := package_file(frame)) is None:
+      return
+    files.append(callee)
+    caller = frame.f_back
+    while caller is not None and package_file(caller) is None:
+      caller = caller.f_back
+    if caller is not None and package_file(caller) != callee:
+      edges[(package_file(caller), callee)] += 1
+
+  sys.setprofile(profile)
+  try:
+    jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(grads, state, params)
+  finally:
+    sys.setprofile(None)
+  return sorted(set(files)), edges
+
+
+@pytest.mark.parametrize("implementation,path", [("xla", XLA_PATH), ("pallas_triton", PALLAS_PATH)])
+def test_one_update_walks_down_the_layers(implementation, path):
+  files, edges = _walk(implementation)
+  assert set(files) <= set(path), sorted(set(files) - set(path))
+  if implementation == "xla":
+    assert len(files) <= 8, files
+  upward = [(a, b) for a, b in edges if path.index(a) >= path.index(b)]
+  assert not upward, upward
+
+
+def _package_modules() -> list[Path]:
+  return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_modules_are_at_most_300_lines():
+  long = {str(p.relative_to(PACKAGE)): n for p in _package_modules()
+          if (n := len(p.read_text().splitlines())) > 300}  # fmt: skip
+  assert not long, long
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+  """Lines of a function without its docstring."""
+  body = node.body
+  if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+    body = body[1:]
+  if not body:
+    return 0
+  return body[-1].end_lineno - body[0].lineno + 1
+
+
+def test_functions_are_at_most_60_lines():
+  long = {}
+  for path in _package_modules():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _body_lines(node) > 60:
+        long[f"{path.relative_to(PACKAGE)}:{node.name}"] = _body_lines(node)
+  assert not long, long
+
+
+def test_every_function_has_a_return_annotation():
+  missing = []
+  for path in _package_modules():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is None:
+        missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+  assert not missing, missing
