@@ -118,7 +118,8 @@ def leaf_info(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
   if isinstance(x, jax.ShapeDtypeStruct):
     return None
   try:
-    return tuple(jnp.shape(x)), dtype_of(x)
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.asarray(x).dtype  # a str: TypeError
+    return tuple(jnp.shape(x)), dtype
   except TypeError:
     return None
 

@@ -79,7 +79,8 @@ def _describe(x: Any) -> str:
     return "None"
   node = _node(x)
   if node is None:
-    return f"an array of shape {tuple(jnp.shape(x))} and dtype {_checks.dtype_of(x)}"
+    info = _checks.leaf_info(x)
+    return f"an array of shape {tuple(jnp.shape(x))} and dtype {info[1] if info else '?'}"
   kind, kids = node
   if isinstance(x, dict):
     return f"a dict with keys {sorted(map(str, x))}"

@@ -93,21 +93,30 @@ def _import(module: str, attribute: str) -> Callable[[], Backend]:
   return lambda: getattr(importlib.import_module(module), attribute)()
 
 
-# name -> a function making the backend with its default configuration
-_LOADERS: dict[str, Callable[[], Backend]] = {
-  "xla": XlaBackend,
-  "pallas_triton": _import("optax_lamb.backends.pallas_triton", "PallasTritonBackend"),
+# name -> (what it is, a function making the backend with its default configuration)
+_LOADERS: dict[str, tuple[str, Callable[[], Backend]]] = {
+  "xla": ("XLA", XlaBackend),
+  "pallas_triton": (
+    "Pallas Triton",
+    _import("optax_lamb.backends.pallas_triton", "PallasTritonBackend"),
+  ),
 }
 NAMES: tuple[str, ...] = ("auto", "reference", *_LOADERS, *ALIASES)
 
 
-@functools.cache
 def backend(name: str) -> Backend:
-  """The registered backend `name` with its defaults, or why it cannot be imported here."""
+  """The registered backend `name` (or its alias) with its defaults, or why it cannot be
+  imported here."""
+  return _backend(ALIASES.get(name, name))
+
+
+@functools.cache
+def _backend(name: str) -> Backend:
+  title, load = _LOADERS[name]
   try:
-    return _LOADERS[ALIASES.get(name, name)]()
+    return load()
   except Exception as e:  # a future jax without Pallas Triton, a broken install
-    reason = f"not available on jax {jax.__version__} ({type(e).__name__}: {e})"
+    reason = f"{title} is not available on jax {jax.__version__} ({type(e).__name__}: {e})"
     return Unavailable(name, reason)
 
 

@@ -56,7 +56,7 @@ def test_auto_on_a_cpu_is_the_xla_path(caplog):
 
 
 def test_auto_on_one_gpu_is_the_kernels(on_a_gpu, one_device, caplog):
-  assert traced_path(caplog) == "optax_lamb.lamb: the pallas path (first choice)"
+  assert traced_path(caplog) == "optax_lamb.lamb: the pallas_triton path (first choice)"
 
 
 def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu, monkeypatch, caplog):
@@ -80,7 +80,7 @@ def test_auto_inside_shard_map_is_the_kernels(on_a_gpu, caplog):
   with caplog.at_level(logging.INFO, logger="optax_lamb"):
     jax.eval_shape(step, jax.ShapeDtypeStruct((8 * len(jax.devices()),), jnp.float32))
   assert [r.getMessage() for r in caplog.records] == [
-    "optax_lamb.lamb: the pallas path (first choice)"
+    "optax_lamb.lamb: the pallas_triton path (first choice)"
   ]
 
 
@@ -114,7 +114,7 @@ def test_without_pallas_triton_auto_and_pallas_take_xla():
   lines = run.stdout.splitlines()
   assert "EQUAL True" in lines
   logs = [line for line in lines if line.startswith("LOG optax_lamb.lamb")]
-  assert len(logs) == 1 and "the xla path (pallas: Pallas Triton is not available" in logs[0]
+  assert len(logs) == 1 and "the xla path (pallas_triton: Pallas Triton is not available" in logs[0]
   warned = [line for line in lines if line.startswith("WARNING")]
   assert len(warned) == 1 and "Pallas Triton is not available" in warned[0]
   assert warned[0].endswith("it runs on the xla path.")
@@ -138,7 +138,7 @@ def test_leaves_the_kernels_cannot_take(on_a_gpu, one_device, caplog, dtypes, ma
 def test_narrow_moments_are_taken_by_the_kernels(on_a_gpu, one_device, caplog):
   params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)}
   line = traced_path(caplog, params=params, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
-  assert line == "optax_lamb.lamb: the pallas path (first choice)"
+  assert line == "optax_lamb.lamb: the pallas_triton path (first choice)"
 
 
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
@@ -169,9 +169,13 @@ class Refusing:
   """A backend that cannot take any step (as the kernels with a leaf of 2^31 elements)."""
 
   name = "refusing"
+  differentiable = True
 
   def auto_reason(self):
     return None
+
+  def runs_interpreted(self):
+    return False
 
   def unsupported_reason(self, plan, leaves):
     return "it refuses every step"
@@ -213,3 +217,16 @@ def test_the_fused_apply_is_carried_by_lamb_only_without_wrappers():
   got, _ = optax_lamb.update_and_apply(tx, params, state, params)
   updates, _ = tx.update(params, state, params)
   np.testing.assert_array_equal(got["w"], optax.apply_updates(params, updates)["w"])
+
+
+def test_pallas_is_an_alias_of_pallas_triton():
+  """The name before the rename still picks the Triton kernels; the old module still imports."""
+  from optax_lamb import _registry
+
+  assert _registry.backend("pallas") is _registry.backend("pallas_triton")
+  sys.modules.pop("optax_lamb.backends.pallas", None)
+  with pytest.warns(DeprecationWarning, match="optax_lamb.backends.pallas_triton"):
+    from optax_lamb.backends.pallas import PallasBackend
+  from optax_lamb.backends.pallas_triton import PallasTritonBackend
+
+  assert PallasBackend is PallasTritonBackend
