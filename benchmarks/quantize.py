@@ -5,7 +5,7 @@
 
 Prints, for the signed map (first moment) and the unsigned one (second moment):
 - state bytes per parameter of a leaf of --elements elements, last axis 3072, from the arrays;
-- the median time of quantize, dequantize and both, each one jitted call on fresh inputs;
+- the median wall and CPU time of quantize, dequantize and both, one jitted call on fresh inputs;
 - on simulated Adam moments (a noisy gradient per element, row scales spread over two
   decades, 200 EMA steps in float64): the relative RMS error of each moment, the relative
   error of the direction u = m / (sqrt(v) + eps) per element, and the change of ||u||;
@@ -15,6 +15,7 @@ and the state bytes per parameter of the BERT recipe's model (small leaves stay 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -67,15 +68,18 @@ def error_report(rng: np.random.Generator) -> dict[str, float]:
   }
 
 
-def _median_time(fn, inputs: list, runs: int) -> float:
+def _median_time(fn, inputs: list, runs: int) -> tuple[float, float]:
+  """Median wall and process CPU seconds of one call (CPU time shows the share a loaded machine
+  gave the process)."""
   jax.block_until_ready(fn(inputs[0]))  # compile and warm up
-  times = []
+  wall, cpu = [], []
   for i in range(runs):
     x = inputs[(i + 1) % len(inputs)]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    wall.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+  return statistics.median(wall), statistics.median(cpu)
 
 
 def timing_report(elements: int, runs: int) -> dict[str, float]:
@@ -93,9 +97,10 @@ def timing_report(elements: int, runs: int) -> dict[str, float]:
     codes = [quant(x) for x in xs]
     dequant = jax.jit(lambda c, s=signed: q.dequantize(*c, s))
     state_bytes += sum(a.nbytes for a in codes[0]) / report["elements"]
-    report[f"{name}: quantize s"] = _median_time(quant, xs, runs)
-    report[f"{name}: dequantize s"] = _median_time(dequant, codes, runs)
-    report[f"{name}: quantize + dequantize s"] = _median_time(both, xs, runs)
+    for label, fn, args in (("quantize", quant, xs), ("dequantize", dequant, codes),
+                            ("quantize + dequantize", both, xs)):  # fmt: skip
+      wall, cpu = _median_time(fn, args, runs)
+      report[f"{name}: {label}, wall s"], report[f"{name}: {label}, CPU s"] = wall, cpu
     del codes
   report["state bytes per parameter, both moments"] = state_bytes
   return report
@@ -121,7 +126,7 @@ def main() -> None:
   parser.add_argument("--elements", type=float, default=94e6)
   parser.add_argument("--runs", type=int, default=5)
   args = parser.parse_args()
-  print(f"{machine.describe_device()}, jax {jax.__version__}")
+  print(f"{machine.describe_device()}, jax {jax.__version__}, load average {os.getloadavg()}")
   for name, value in error_report(np.random.default_rng(0)).items():
     print(f"{name:45s} {value:.3g}")
   print(f"{'BERT recipe: state bytes per parameter':45s} {recipe_state_bytes():.3f}")

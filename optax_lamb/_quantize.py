@@ -72,6 +72,7 @@ class _CodeMap(NamedTuple):
 
   shift: int  # L - i: 0 signed, 1 unsigned
   one: int  # magnitude index of the value 1.0: 128 signed, 255 unsigned
+  bins: tuple  # 2^L: the number of codes in decade i
   area: tuple  # A_i = f32(2^-(L+1) 10^(i-7)): code value = N * A_i
   start: tuple  # f32(10^(i-7)), where decade i starts (candidate only)
   slope: tuple  # 2^L / (9 * 10^(i-7)): j = floor(y * slope - offset) (candidate only)
@@ -84,6 +85,7 @@ def _code_map(signed: bool) -> _CodeMap:
   return _CodeMap(
     shift=shift,
     one=128 if signed else 255,
+    bins=tuple(np.float32(2.0**n) for n in levels),
     area=tuple(np.float32(10.0 ** (i - 7) / 2.0 ** (n + 1)) for i, n in enumerate(levels)),
     start=tuple(np.float32(10.0 ** (i - 7)) for i in range(_DECADES)),
     slope=tuple(np.float32(2.0**n / (9 * 10.0 ** (i - 7))) for i, n in enumerate(levels)),
@@ -107,13 +109,18 @@ def _pow2(k: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
 
+def _numerator(bins: jax.Array, j: jax.Array) -> jax.Array:
+  """N = 2^(L+1) + 18 j + 9, exact in float32: code j of a decade of 2^L codes is N * A_i."""
+  return 2 * bins + 18 * j + 9
+
+
 def _magnitude_value(r: jax.Array, cmap: _CodeMap) -> jax.Array:
   """The value of magnitude index r (0 .. cmap.one): 0, N * A_i, or 1."""
   q = r + cmap.shift  # 2^L <= q < 2^(L+1) for the codes of decade i = L - shift
   flags = [q >= 2 ** (d + cmap.shift) for d in range(1, _DECADES)]
-  bins = _select(flags, tuple(np.float32(2.0 ** (d + cmap.shift)) for d in range(_DECADES)))
+  bins = _select(flags, cmap.bins)
   j = q.astype(jnp.float32) - bins
-  value = (2 * bins + 18 * j + 9) * _select(flags, cmap.area)
+  value = _numerator(bins, j) * _select(flags, cmap.area)
   return jnp.where(r == 0, 0.0, jnp.where(r == cmap.one, 1.0, value))
 
 
@@ -125,10 +132,10 @@ def _magnitude_index(a: jax.Array, s: jax.Array, cmap: _CodeMap) -> jax.Array:
   """
   y = a * (1.0 / s)
   flags = [y >= cmap.start[d] for d in range(1, _DECADES)]
-  bins = _select(flags, tuple(np.float32(2.0 ** (d + cmap.shift)) for d in range(_DECADES)))
+  bins = _select(flags, cmap.bins)
   area = _select(flags, cmap.area)
   j = jnp.clip(jnp.floor(y * _select(flags, cmap.slope) - _select(flags, cmap.offset)), 0, bins - 1)
-  n = 2 * bins + 18 * j + 9  # the candidate's N
+  n = _numerator(bins, j)  # the candidate's
   last, first, top, bottom = j == bins - 1, j == 0, flags[-1], jnp.logical_not(flags[0])
   # midpoint to the next code: within the decade, into the next decade, or to 1.0
   up = jnp.where(last, jnp.where(top, n + 4.5, n + 27), n + 9) * area

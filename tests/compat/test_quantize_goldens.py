@@ -31,12 +31,12 @@ dequantize = jax.jit(q.dequantize, static_argnums=2)
 
 
 @pytest.fixture(scope="module")
-def goldens():
+def goldens() -> dict[str, np.ndarray]:
   with np.load(GOLDENS / "bitsandbytes_quantize.npz") as f:
     return dict(f)
 
 
-def bitsandbytes_cpu_index(x, absmax, code):
+def bitsandbytes_cpu_index(x: np.ndarray, absmax: np.ndarray, code: np.ndarray) -> np.ndarray:
   """bitsandbytes' CPU quantize in float32: x * (1 / absmax) to the nearest grid point, then
   the number of table midpoints below that point."""
   x = x.reshape(-1, 256) if x.size % 256 == 0 else np.pad(x, (0, 256 - x.size % 256))
@@ -50,7 +50,7 @@ def bitsandbytes_cpu_index(x, absmax, code):
   return np.searchsorted(mids, grid, side="left").ravel()
 
 
-def ours(x, signed):
+def ours(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   leaf = x if x.ndim > 1 else x[None, :]
   codes, scales = quantize(jnp.asarray(leaf), signed)
   index = ref.code_to_index(np.asarray(codes), signed).reshape(x.shape)
@@ -58,14 +58,14 @@ def ours(x, signed):
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_tables_agree_to_two_ulp(goldens, signed):
+def test_tables_agree_to_two_ulp(goldens, signed) -> None:
   code = goldens[f"{'signed' if signed else 'unsigned'}/code"]
   mine = q.decode(jnp.asarray(ref.index_to_code(np.arange(256), signed)), 1.0, signed=signed)
   np.testing.assert_allclose(np.asarray(mine), code, rtol=2 * 2.0**-23, atol=0)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bitsandbytes_cpu_kernel_is_the_grid_rule(goldens, case):
+def test_bitsandbytes_cpu_kernel_is_the_grid_rule(goldens, case) -> None:
   signed = META["cases"][case]["signed"]
   code = goldens[f"{'signed' if signed else 'unsigned'}/code"]
   x, index = goldens[f"{case}/x"], goldens[f"{case}/index"]
@@ -74,7 +74,7 @@ def test_bitsandbytes_cpu_kernel_is_the_grid_rule(goldens, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_codes_and_scales_agree_away_from_the_grid(goldens, case):
+def test_codes_and_scales_agree_away_from_the_grid(goldens, case) -> None:
   signed = META["cases"][case]["signed"]
   x, index = goldens[f"{case}/x"], goldens[f"{case}/index"].astype(np.int64)
   mine, scales, leaf = ours(x, signed)

@@ -26,7 +26,9 @@ quantize = jax.jit(q.quantize, static_argnames=("signed", "block_size"))
 dequantize = jax.jit(q.dequantize, static_argnames=("signed", "block_size"))
 
 
-def moment_like(rng, shape, signed, magnitude=1.0):
+def moment_like(
+  rng: np.random.Generator, shape: tuple, signed: bool, magnitude: float = 1.0
+) -> np.ndarray:
   """Values of one moment leaf: rows of different magnitudes, some exact zeros."""
   x = rng.normal(size=shape) * 10.0 ** rng.uniform(-3, 1, size=(*shape[:-1], 1))
   x = np.where(rng.uniform(size=shape) < 0.02, 0.0, x)
@@ -34,7 +36,9 @@ def moment_like(rng, shape, signed, magnitude=1.0):
   return np.asarray(x * magnitude, np.float32)
 
 
-def check_against_reference(x, signed, block_size=256):
+def check_against_reference(
+  x: np.ndarray, signed: bool, block_size: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
   """Quantizes x with the library and the reference; returns (codes, scales) after checking."""
   codes, scales = quantize(jnp.asarray(x), signed=signed, block_size=block_size)
   codes, scales = np.asarray(codes), np.asarray(scales)
@@ -52,7 +56,7 @@ def check_against_reference(x, signed, block_size=256):
   return codes, scales
 
 
-def check_error_bound(x, signed, block_size=256):
+def check_error_bound(x: np.ndarray, signed: bool, block_size: int = 256) -> float:
   """|dequantize(quantize(x)) - x| <= half the gap between the codes around x / s (times s)."""
   codes, scales = quantize(jnp.asarray(x), signed=signed, block_size=block_size)
   back = np.asarray(dequantize(codes, scales, signed=signed, block_size=block_size), np.float64)
@@ -66,7 +70,7 @@ def check_error_bound(x, signed, block_size=256):
     return np.max(err / (ref.half_gap(y, signed) * s), initial=0.0, where=s > 0)
 
 
-def test_code_maps_are_the_dynamic_tree_maps():
+def test_code_maps_are_the_dynamic_tree_maps() -> None:
   for signed in SIGNS:
     table = ref.code_table(signed)
     index = np.arange(256)
@@ -81,7 +85,7 @@ def test_code_maps_are_the_dynamic_tree_maps():
     )
 
 
-def test_signed_codes_are_sign_and_magnitude():
+def test_signed_codes_are_sign_and_magnitude() -> None:
   codes = jnp.arange(-127, 128, dtype=jnp.int8)
   values = np.asarray(q.decode(codes, jnp.float32(1.0), signed=True))
   np.testing.assert_array_equal(values[:127], -values[128:][::-1])  # codes -127..-1 and 127..1
@@ -89,7 +93,7 @@ def test_signed_codes_are_sign_and_magnitude():
 
 
 @pytest.mark.parametrize("signed", SIGNS)
-def test_encode_at_every_midpoint(signed):
+def test_encode_at_every_midpoint(signed) -> None:
   """Around each midpoint (and a quarter-gap away) the code is the nearest, at several scales."""
   table = ref.code_table(signed)
   mids = (table[:-1] + table[1:]) / 2
@@ -105,14 +109,14 @@ def test_encode_at_every_midpoint(signed):
 
 @pytest.mark.parametrize("signed", SIGNS)
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 600, 3072])
-def test_odd_last_axes_match_the_reference(signed, n, rng):
+def test_odd_last_axes_match_the_reference(signed, n, rng) -> None:
   x = moment_like(rng, (3, n), signed)
   check_against_reference(x, signed)
   check_error_bound(x, signed)
 
 
 @pytest.mark.parametrize("signed", SIGNS)
-def test_stacked_layers_get_blocks_per_slice(signed, rng):
+def test_stacked_layers_get_blocks_per_slice(signed, rng) -> None:
   x = moment_like(rng, (2, 3, 4, 600), signed)
   codes, scales = check_against_reference(x, signed)
   assert scales.shape == (2, 3, 4, 3)
@@ -123,7 +127,7 @@ def test_stacked_layers_get_blocks_per_slice(signed, rng):
 
 
 @pytest.mark.parametrize("signed", SIGNS)
-def test_worst_error_matches_the_spacing(signed, rng):
+def test_worst_error_matches_the_spacing(signed, rng) -> None:
   """Dense uniform blocks reach the bound: the largest error is half the local code gap."""
   x = rng.uniform(-1 if signed else 0, 1, size=(64, 1024)).astype(np.float32)
   assert check_error_bound(x, signed) > 0.95
@@ -136,7 +140,7 @@ def test_worst_error_matches_the_spacing(signed, rng):
 
 
 @pytest.mark.parametrize("signed", SIGNS)
-def test_zeros(signed):
+def test_zeros(signed) -> None:
   x = np.zeros((2, 700), np.float32)
   x[1, 300:310] = 0.5
   codes, scales = check_against_reference(x, signed)
@@ -153,7 +157,7 @@ def test_zeros(signed):
 
 @pytest.mark.parametrize("signed", SIGNS)
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-20, 1e20, 1e30, 3.0e38])
-def test_tiny_and_huge_magnitudes(signed, magnitude, rng):
+def test_tiny_and_huge_magnitudes(signed, magnitude, rng) -> None:
   x = moment_like(rng, (4, 300), signed, magnitude=magnitude / (10.0 if signed else 100.0))
   x[0, 0] = magnitude  # the extreme itself, in range
   check_against_reference(x, signed)
@@ -161,7 +165,7 @@ def test_tiny_and_huge_magnitudes(signed, magnitude, rng):
 
 
 @pytest.mark.parametrize("signed", SIGNS)
-def test_codes_do_not_depend_on_the_scale_exponent(signed, rng):
+def test_codes_do_not_depend_on_the_scale_exponent(signed, rng) -> None:
   """Scaling a leaf by 2^k scales its scales by 2^k and leaves its codes (normalisation is exact)."""
   x = moment_like(rng, (4, 512), signed)
   x[np.abs(x) < 1e-6 * np.abs(x).max()] = 0.0  # none leaves the normal range (flushed) at 2^-100
@@ -174,7 +178,7 @@ def test_codes_do_not_depend_on_the_scale_exponent(signed, rng):
 
 @pytest.mark.parametrize("signed", SIGNS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_a_non_finite_element_makes_its_block_nan(signed, bad, rng):
+def test_a_non_finite_element_makes_its_block_nan(signed, bad, rng) -> None:
   x = moment_like(rng, (2, 600), signed)
   x[1, 300] = bad
   codes, scales = check_against_reference(x, signed)
@@ -185,14 +189,14 @@ def test_a_non_finite_element_makes_its_block_nan(signed, bad, rng):
   assert np.all(np.isfinite(back[0])) and np.all(np.isfinite(np.delete(back[1], np.s_[256:512])))
 
 
-def test_negative_inputs_to_the_unsigned_map_round_to_zero():
+def test_negative_inputs_to_the_unsigned_map_round_to_zero() -> None:
   x = np.array([[1.0, -0.5, 0.25, -2.0]], np.float32)
   codes, scales = check_against_reference(x, signed=False)
   assert scales[0, 0] == 2.0 and codes[0, 1] == 0 and codes[0, 3] == 0
 
 
 @pytest.mark.parametrize("signed", SIGNS)
-def test_requantizing_dequantized_values(signed, rng):
+def test_requantizing_dequantized_values(signed, rng) -> None:
   """Lossless where a block's extreme is coded as 1.0; not where a signed block's extreme is
   negative (the map has no -1.0): a skipped step must keep the stored arrays, not requantize."""
   x = moment_like(rng, (8, 512), signed)
@@ -208,7 +212,7 @@ def test_requantizing_dequantized_values(signed, rng):
     assert np.all(np.asarray(again.scales) < np.asarray(scales))
 
 
-def test_eager_and_jit_agree_bit_for_bit(rng):
+def test_eager_and_jit_agree_bit_for_bit(rng) -> None:
   x = jnp.asarray(moment_like(rng, (3, 300), signed=True))
   for signed in SIGNS:
     xs = x if signed else x * x
@@ -218,7 +222,7 @@ def test_eager_and_jit_agree_bit_for_bit(rng):
     np.testing.assert_array_equal(eager.scales, jitted.scales)
 
 
-def test_encode_and_decode_are_gather_free_elementwise_arithmetic():
+def test_encode_and_decode_are_gather_free_elementwise_arithmetic() -> None:
   """What a Pallas kernel can run on a loaded block: no gathers, sorts or searches."""
   x, s = jnp.ones((4, 256)), jnp.ones((4, 1))
   for signed in SIGNS:
@@ -229,7 +233,7 @@ def test_encode_and_decode_are_gather_free_elementwise_arithmetic():
       assert not names & {"gather", "dynamic_slice", "sort", "scatter", "while", "cond"}, names
 
 
-def test_which_leaves_are_quantized():
+def test_which_leaves_are_quantized() -> None:
   assert not q.quantizes(())
   assert not q.quantizes((4095,)) and q.quantizes((4096,))
   assert not q.quantizes((8192, 1))  # 5 bytes an element: more than float32
@@ -240,7 +244,7 @@ def test_which_leaves_are_quantized():
     q.quantize(jnp.float32(1.0), True)
 
 
-def test_dequantize_checks_dtype_and_layout():
+def test_dequantize_checks_dtype_and_layout() -> None:
   codes, scales = quantize(jnp.ones((2, 300)), signed=True)
   with pytest.raises(ValueError, match="do not match"):
     q.dequantize(codes, scales, False)
@@ -248,7 +252,7 @@ def test_dequantize_checks_dtype_and_layout():
     q.dequantize(codes, scales, True, block_size=128)
 
 
-def test_quantized_moment_is_a_plain_pytree_and_serializes(tmp_path):
+def test_quantized_moment_is_a_plain_pytree_and_serializes(tmp_path) -> None:
   moment = q.quantize(jnp.linspace(-1.0, 2.0, 600).reshape(2, 300), True)
   assert len(jax.tree.leaves(moment)) == 2
   state = {"mu": {"w": moment}, "nu": {"w": q.quantize(jnp.ones((2, 300)), False)}}
@@ -269,7 +273,7 @@ SHAPES = [(1,), (7,), (2, 255), (3, 256), (2, 257), (2, 2, 130)]
 
 
 @st.composite
-def leaves(draw):
+def leaves(draw: st.DrawFn) -> np.ndarray:
   """A leaf of moment-like or adversarial values: rows of random magnitudes, zeros, repeats."""
   shape = draw(st.sampled_from(SHAPES))
   rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -286,7 +290,7 @@ def leaves(draw):
 
 @settings(max_examples=seeds.examples(25))
 @given(x=leaves(), signed=st.booleans(), block_size=st.sampled_from([2, 128, 256]))
-def test_random_leaves_match_the_reference(x, signed, block_size):
+def test_random_leaves_match_the_reference(x, signed, block_size) -> None:
   x = x if signed else np.abs(x)
   check_against_reference(x, signed, block_size)
   check_error_bound(x, signed, block_size)
