@@ -159,7 +159,9 @@ def encode(x: jax.Array, scale: jax.Array, *, signed: bool) -> jax.Array:
   """The codes of float32 ``x`` given its block's ``scale`` (broadcastable, the block absmax).
 
   Elementwise: what a kernel calls on a loaded block after reducing its absmax
-  (`block_scale`). A scale that is not finite and positive gives codes 0.
+  (`block_scale`). A scale that is not finite and positive gives codes 0; an element
+  larger than the scale in magnitude (a scale that is not its absmax) saturates at the
+  code nearest to +-1.
   """
   cmap = _MAPS[signed]
   x = x.astype(jnp.float32)
