@@ -17,6 +17,8 @@ from helpers import quantize_reference as ref
 from helpers import seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from optax_lamb import _quantize as q
 
@@ -210,6 +212,23 @@ def test_requantizing_dequantized_values(signed, rng) -> None:
     codes, scales = quantize(jnp.asarray(x), signed=signed)
     again = quantize(dequantize(codes, scales, signed=signed), signed=signed)
     assert np.all(np.asarray(again.scales) < np.asarray(scales))
+
+
+@pytest.mark.parametrize(
+  ("shape", "spec"), [((8, 1024), P(None, "x")), ((8, 600), P("x", None)), ((4, 2, 512), P("x"))]
+)
+def test_shards_with_whole_blocks_quantize_like_the_whole_leaf(shape, spec, rng) -> None:
+  """Each device quantizes its own shard (shard_map); with whole blocks (the last axis split in
+  multiples of 256) the result is the whole leaf's, and the scales shard like the codes."""
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  x = jax.device_put(moment_like(rng, shape, signed=True), NamedSharding(mesh, spec))
+  local = jax.shard_map(
+    lambda a: tuple(q.quantize(a, True)), mesh=mesh, in_specs=spec, out_specs=(spec, spec)
+  )
+  codes, scales = jax.jit(local)(x)
+  whole = quantize(x, signed=True)
+  np.testing.assert_array_equal(codes, whole.codes)
+  np.testing.assert_array_equal(scales, whole.scales)
 
 
 def test_eager_and_jit_agree_bit_for_bit(rng) -> None:
