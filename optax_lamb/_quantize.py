@@ -192,7 +192,7 @@ def block_scale(x: jax.Array, axis: int = -1) -> jax.Array:
   """The float32 absmax of ``x`` along ``axis``; NaN if any element there is NaN or infinite.
 
   NaN is mapped to infinity before the max, so the reduction needs no NaN
-  propagation (Triton's max does not propagate it).
+  propagation (Triton's max need not propagate it).
   """
   a = jnp.abs(x.astype(jnp.float32))
   s = jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=axis)

@@ -1,4 +1,5 @@
-"""Block-wise dynamic quantization in float64 NumPy, written from the paper, for the tests.
+"""Block-wise dynamic quantization in float64 NumPy, written from the paper, for the tests
+(and `moment_like`, the moment-shaped leaves they quantize).
 
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022),
 section 2: the dynamic tree data type (a decade exponent and a linear fraction)
@@ -115,3 +116,13 @@ def distance_to_midpoint(y: np.ndarray, signed: bool) -> np.ndarray:
     np.abs(y - mids[k - 1]) / np.abs(mids[k - 1]), np.abs(y - mids[k]) / np.abs(mids[k])
   )
   return near
+
+
+def moment_like(
+  rng: np.random.Generator, shape: tuple, signed: bool, magnitude: float = 1.0
+) -> np.ndarray:
+  """Values of one moment leaf: rows of different magnitudes, some exact zeros."""
+  x = rng.normal(size=shape) * 10.0 ** rng.uniform(-3, 1, size=(*shape[:-1], 1))
+  x = np.where(rng.uniform(size=shape) < 0.02, 0.0, x)
+  x = x if signed else x**2
+  return np.asarray(x * magnitude, np.float32)
