@@ -54,7 +54,7 @@ def keras_lamb(
       ValueError, as in Keras.
     beta_1: b1 in [0, 1).
     beta_2: b2 in [0, 1).
-    epsilon: added to sqrt(v / bc2), >= 0.
+    epsilon: added to sqrt(v / bc2), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda >= 0, or None: no decay.
     weight_decay_mask: which leaves decay (see the module docstring); None: all.
     clipnorm: per-leaf clip threshold.

@@ -74,7 +74,7 @@ def timm_lamb(
     lr: learning rate eta_t, a float >= 0 or an optax schedule.
     bias_correction: divide m and v by 1 - b^t inside u.
     betas: (b1, b2), each in [0, 1).
-    eps: added to sqrt(v) / sqrt(bc2), >= 0.
+    eps: added to sqrt(v) / sqrt(bc2), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda, a number >= 0 (decides which leaves adapt when built).
     grad_averaging: scale g by 1 - b1 in m.
     max_grad_norm: c >= 0, or None: no clipping.
