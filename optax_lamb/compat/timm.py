@@ -117,7 +117,7 @@ def timm_lamb(
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
     trust_ratio_mask=_common.adapted_unless_undecayed(
-      always_adapt, weight_decay, weight_decay_mask
+      always_adapt, weight_decay, torch_style["mask"]
     ),
     max_trust_ratio=1.0 if trust_clip else None,
     max_grad_norm=clip,
