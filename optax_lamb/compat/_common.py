@@ -43,6 +43,17 @@ def check_mask(name: str, mask: Any) -> None:
   _check_args.check_per_leaf(name, mask, "bool")
 
 
+def named_mask(name: str, mask: Any) -> Any:
+  """`mask` (None, a pytree prefix or a callable) as a callable(params) resolved under `name`.
+
+  The core checks a mask against the params as ``mask``; resolved here first, a bad
+  structure or a callable's bad result is reported with the constructor's own name.
+  """
+  if mask is None:
+    return None
+  return lambda params: _checks.resolve_per_leaf(mask, params, True, name, "bool")
+
+
 def path_name(path: tuple) -> str:
   """A key path as a '/'-joined string: dict keys, attribute names and sequence indices."""
   parts = []
@@ -163,7 +174,7 @@ def check_torch_style(arguments: dict, flags: tuple[str, ...]) -> dict:
     arguments[k] for k in ("lr", "betas", "eps", "weight_decay", "weight_decay_mask")
   )
   b1, b2 = check_betas("betas", betas)
-  _check_args.check_non_negative("eps", eps)
+  _check_args.check_positive("eps", eps)  # 0 would give 0 / 0 where g = 0
   _check_args.check_non_negative("weight_decay", weight_decay)
   for name in flags:
     _check_args.check_bool(name, arguments[name])
@@ -175,7 +186,7 @@ def check_torch_style(arguments: dict, flags: tuple[str, ...]) -> dict:
     b2=b2,
     eps=eps,
     weight_decay=weight_decay,
-    mask=mask,
+    mask=named_mask("weight_decay_mask", mask),
   )
 
 
@@ -209,8 +220,8 @@ def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
   """Keras 3: at most one clip option (ValueError); one that is not > 0 clips nothing."""
   given = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
   for name, value in given.items():
-    if value is not None:
-      check_number(name, value)
+    if value is not None and math.isnan(check_number(name, value)):
+      raise ValueError(f"{name} must be a number (> 0 clips, <= 0 does not), got {name}=nan")
   if sum(v is not None for v in given.values()) > 1:
     raise ValueError(
       "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "

@@ -80,7 +80,9 @@ def apex_fused_lamb(
     weight_decay_placement="direction" if adam_w_mode else "gradient",
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
-    trust_ratio_mask=_common.adapted_unless_undecayed(use_nvlamb, weight_decay, weight_decay_mask),
+    trust_ratio_mask=_common.adapted_unless_undecayed(
+      use_nvlamb, weight_decay, torch_style["mask"]
+    ),
     max_grad_norm=_common.torch_clip(max_grad_norm, "apex"),
     lamb_options=_common.lamb_options("apex_fused_lamb", lamb_options),
   )

@@ -47,9 +47,12 @@ def deepspeed_fused_lamb(
 
   Every leaf adapts, decayed or not.
 
-  Decisions: G is the global norm of all gradients (DeepSpeed divides by the
-  norm its caller passes to ``step(grad_norms=...)``; its FP16 wrapper passes
-  per-group norms). With ``min_coeff > max_coeff`` DeepSpeed's clamps (max
+  Decisions: G is the global norm of all gradients, as in DeepSpeed's engine:
+  with fp16 on it wraps LAMB in ``FP16_UnfusedOptimizer``, which clips with the
+  global norm (through the ``scale`` it passes to ``FusedLamb.step``) and passes
+  no ``grad_norms`` (``deepspeed/runtime/fp16/unfused_optimizer.py``,
+  ``step_fused_lamb``). Called directly, ``FusedLamb`` divides by the norm its
+  caller passes to ``step(grad_norms=...)``. With ``min_coeff > max_coeff`` DeepSpeed's clamps (max
   first, then min) give r = min_coeff, and so does this. A negative
   ``min_coeff`` clamps nothing, as in DeepSpeed; a negative ``max_coeff``
   (negative ratios) is refused with a ValueError.

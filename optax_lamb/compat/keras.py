@@ -56,7 +56,7 @@ def keras_lamb(
       ValueError, as in Keras.
     beta_1: b1 in [0, 1).
     beta_2: b2 in [0, 1).
-    epsilon: added to sqrt(v / bc2), >= 0.
+    epsilon: added to sqrt(v / bc2), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda >= 0, or None: no decay.
     weight_decay_mask: which leaves decay (see the module docstring); None: all.
     clipnorm: per-leaf clip threshold.
@@ -76,7 +76,7 @@ def keras_lamb(
   clips = _common.keras_clip_options(clipnorm, clipvalue, global_clipnorm)
   _check_args.check_in_unit_interval("beta_1", beta_1)
   _check_args.check_in_unit_interval("beta_2", beta_2)
-  _check_args.check_non_negative("epsilon", epsilon)
+  _check_args.check_positive("epsilon", epsilon)  # 0 would give 0 / 0 where g = 0
   if weight_decay is not None:
     _check_args.check_non_negative("weight_decay", weight_decay)
   _common.check_mask("weight_decay_mask", weight_decay_mask)
@@ -87,7 +87,7 @@ def keras_lamb(
     b2=beta_2,
     eps=epsilon,
     weight_decay=0.0 if weight_decay is None else weight_decay,
-    mask=weight_decay_mask,
+    mask=_common.named_mask("weight_decay_mask", weight_decay_mask),
     weight_decay_placement="params",
     bias_correction=True,
     max_grad_norm=clips["global_clipnorm"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optax
@@ -16,6 +17,17 @@ def _inverse_time_decay(learning_rate: Any, decay: float) -> Any:
     return learning_rate
   value = lambda count: learning_rate(count) if callable(learning_rate) else learning_rate
   return lambda count: value(count) / (1.0 + decay * count)
+
+
+def _check_keyword(name: str, value: Any) -> None:
+  """A clip threshold or decay: a number, not NaN (TF lets NaN through to NaN params or no
+  clipping), and a finite decay (inf gives NaN params from the second step)."""
+  if getattr(value, "ndim", None) == 0 and hasattr(value, "dtype"):
+    return  # a scalar array (inject_hyperparams, maybe traced): not read when built
+  number = _common.check_number(name, value)
+  if math.isnan(number) or (name == "decay" and math.isinf(number)):
+    what = "a finite number >= 0" if name == "decay" else "a number >= 0"
+    raise ValueError(f"{name} must be {what}, got {name}={value!r}")
 
 
 def tfa_lamb(
@@ -84,6 +96,8 @@ def tfa_lamb(
   keywords = {"clipnorm": clipnorm, "clipvalue": clipvalue, "lr": lr, "decay": decay}
   keywords["global_clipnorm"] = global_clipnorm
   for name, value in keywords.items():
+    if name != "lr" and value is not None:
+      _check_keyword(name, value)
     if _common.is_number(value) and value < 0:
       raise ValueError(f"Expected {name} >= 0, received: {value}")
   if clipnorm is not None and global_clipnorm is not None:

@@ -76,7 +76,7 @@ def timm_lamb(
     lr: learning rate eta_t, a float >= 0 or an optax schedule.
     bias_correction: divide m and v by 1 - b^t inside u.
     betas: (b1, b2), each in [0, 1).
-    eps: added to sqrt(v) / sqrt(bc2), >= 0.
+    eps: added to sqrt(v) / sqrt(bc2), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda, a number >= 0 (decides which leaves adapt when built).
     grad_averaging: scale g by 1 - b1 in m.
     max_grad_norm: c >= 0, or None: no clipping.
@@ -119,7 +119,7 @@ def timm_lamb(
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
     trust_ratio_mask=_common.adapted_unless_undecayed(
-      always_adapt, weight_decay, weight_decay_mask
+      always_adapt, weight_decay, torch_style["mask"]
     ),
     max_trust_ratio=1.0 if trust_clip else None,
     max_grad_norm=clip,

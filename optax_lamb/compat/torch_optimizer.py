@@ -41,7 +41,7 @@ def torch_optimizer_lamb(
   Args:
     lr: learning rate, a float > 0 (torch_optimizer refuses <= 0) or an optax schedule.
     betas: (b1, b2), each in [0, 1) (ValueError otherwise, as torch_optimizer).
-    eps: added to sqrt(v), >= 0.
+    eps: added to sqrt(v), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda >= 0, added to u on decayed leaves.
     clamp_value: upper clamp of ||p|| in the ratio, >= 0 (``inf``: none).
     adam: no trust ratio (r = 1 for every leaf).

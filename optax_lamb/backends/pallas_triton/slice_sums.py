@@ -3,8 +3,8 @@
 One launch for the whole tree, one program per ratio slot (a leaf, or a stacked
 slice of one), adding up the slot's partials in a fixed order: deterministic,
 no atomics. Each of pass 1's partial vectors (||p||^2 and ||u||^2 at every
-`_norms.SCALES`) is summed alike; the trust ratios then come from
-`_leaf.trust_ratios` in XLA.
+`_ratios.SCALES`) is summed alike; the trust ratios then come from
+`_ratios.ratio_vector` in XLA.
 """
 
 from __future__ import annotations

@@ -23,9 +23,11 @@ Per parameter, with its own step count t:
 Every leaf adapts, whatever its group's weight decay. With max_grad_norm > 0 the caller must
 pass grad_norms: a list with one entry per group, each a list of one norm per parameter (a bare
 number for a group is wrapped in a list, and zip then updates only the group's first
-parameter); None fails with a TypeError (None / scale). DeepSpeed's own FP16 wrapper passes each
-group's norm, with each group flattened into one tensor (so there the ratio is per group). The
-kernel computes in float32. Refused: amsgrad=True (RuntimeError).
+parameter); None fails with a TypeError (None / scale). DeepSpeed's engine (fp16 on) wraps LAMB in
+FP16_UnfusedOptimizer (deepspeed/runtime/fp16/unfused_optimizer.py at commit
+071787e99045b6cf2d434279b2f67c035d226aa7, step_fused_lamb and unscale_and_clip_grads), which
+clips with the global norm of all gradients through `scale` and passes no grad_norms; the ratio
+stays per parameter. The kernel computes in float32. Refused: amsgrad=True (RuntimeError).
 """
 
 from __future__ import annotations

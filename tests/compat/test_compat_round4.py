@@ -1,0 +1,246 @@
+"""Issue 34 ("Reliability round 4"), failure classes 1, 2 and 4 for the compat constructors.
+
+Written before the fixes, from f5df42e: each docstring names its class. The cases that still
+fail are marked `pending` (a strict xfail: the fix must remove the mark); those of class 4 and
+the NaN refusals of class 2 pass since the argument checks in optax_lamb/compat were fixed
+beside them. lamb's own cases and the wrappers' are in tests/stages/test_stages_round4.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers.implementations import TINY_BLOCKS
+
+from optax_lamb import compat
+from optax_lamb.backends.pallas import PallasBackend
+
+PALLAS = PallasBackend(block_sizes=TINY_BLOCKS, interpret=True)
+IMPLEMENTATIONS = {"xla": "xla", "reference": "reference", "pallas": PALLAS}
+RTOL = 1e-5  # float32 arrays (injected) against Python floats (built in)
+CONSTRUCTORS = {name: getattr(compat, name) for name in compat.__all__}
+
+
+def pending(reason: str) -> pytest.MarkDecorator:
+  """A case that fails until its fix lands: strict, so the fix must remove the mark."""
+  return pytest.mark.xfail(strict=True, reason=f"issue 34, fix pending: {reason}")
+
+
+def _params() -> dict:
+  rng = np.random.default_rng(0)
+  return {
+    "w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+    "b": jnp.asarray(0.1 * rng.normal(size=(3,)), jnp.float32),
+  }
+
+
+def _grads(steps: int) -> list[dict]:
+  rng = np.random.default_rng(1)
+  shapes = {"w": (4, 3), "b": (3,)}
+  return [
+    {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    for _ in range(steps)
+  ]
+
+
+def _run(tx, params: dict, grads: list[dict]) -> dict:
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for g in grads:
+    params, state = step(params, state, g)
+  return params
+
+
+def _assert_close(got: dict, want: dict) -> None:
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=1e-7, err_msg=name)
+
+
+# --- class 1: numeric arguments injected by optax.inject_hyperparams ------------------------
+
+# Each constructor's numeric arguments (betas is a pair, which inject_hyperparams leaves as it
+# is), each with a valid value other than its default.
+NUMBERS = {
+  "apex_fused_lamb": {"lr": 2e-3, "eps": 1e-5, "weight_decay": 0.05, "max_grad_norm": 0.5},
+  "deepspeed_fused_lamb": {
+    "lr": 2e-3, "eps": 1e-6, "weight_decay": 0.05, "max_grad_norm": 0.5, "max_coeff": 0.5,
+    "min_coeff": 0.2,
+  },
+  "timm_lamb": {"lr": 2e-3, "eps": 1e-5, "weight_decay": 0.05, "max_grad_norm": 0.5},
+  "torch_optimizer_lamb": {"lr": 2e-3, "eps": 1e-5, "weight_decay": 0.05, "clamp_value": 0.5},
+  "keras_lamb": {
+    "learning_rate": 2e-3, "beta_1": 0.8, "beta_2": 0.99, "epsilon": 1e-6, "weight_decay": 0.05,
+    "clipnorm": 0.5, "clipvalue": 0.1, "global_clipnorm": 0.5,
+  },
+  "tfa_lamb": {
+    "learning_rate": 2e-3, "beta_1": 0.8, "beta_2": 0.99, "epsilon": 1e-5, "weight_decay": 0.05,
+    "lr": 2e-3, "decay": 0.1, "clipnorm": 0.5, "clipvalue": 0.1, "global_clipnorm": 0.5,
+  },
+}  # fmt: skip
+_INJECTED = [
+  (ctor, arg, impl)
+  for ctor, args in NUMBERS.items()
+  for arg in args
+  for impl in ("xla", "reference")
+]
+_LEARNING_RATE = {name: ("learning_rate" if "learning_rate" in n else "lr") for name, n in NUMBERS.items()}  # fmt: skip
+_INJECTED += [(ctor, _LEARNING_RATE[ctor], "pallas") for ctor in NUMBERS]
+
+
+@pending("class 1, numeric arguments read as Python numbers when built; **lamb_options")
+@pytest.mark.parametrize("ctor,arg,implementation", _INJECTED)
+def test_compat_under_inject_hyperparams(ctor, arg, implementation):
+  """Class 1: a compat constructor under optax.inject_hyperparams, one numeric argument given
+  (all its numeric defaults become arrays too, traced under jit), equals the constructor built
+  with the same Python numbers."""
+  kwargs = {arg: NUMBERS[ctor][arg], "implementation": IMPLEMENTATIONS[implementation]}
+  params, grads = _params(), _grads(3)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*interpret mode")
+    injected = optax.inject_hyperparams(CONSTRUCTORS[ctor])(**kwargs)
+    got = _run(injected, params, grads)
+    want = _run(CONSTRUCTORS[ctor](**kwargs), params, grads)
+  _assert_close(got, want)
+
+
+# --- class 2: silent wrong results -------------------------------------------------------------
+
+# (constructor, argument, value): refused with a ValueError naming the argument. The issue's
+# tfa_lamb cases, and keras_lamb's clips, which share the check that lets NaN through.
+_NONFINITE = [
+  ("tfa_lamb", "global_clipnorm", math.nan),
+  ("tfa_lamb", "clipnorm", math.nan),
+  ("tfa_lamb", "clipvalue", math.nan),
+  ("tfa_lamb", "decay", math.inf),
+  ("tfa_lamb", "decay", math.nan),
+  ("keras_lamb", "global_clipnorm", math.nan),
+  ("keras_lamb", "clipnorm", math.nan),
+  ("keras_lamb", "clipvalue", math.nan),
+]
+
+
+@pytest.mark.parametrize("ctor,arg,value", _NONFINITE)
+def test_nonfinite_clip_and_decay_values_are_refused(ctor, arg, value):
+  """Class 2: a NaN clip threshold (or a non-finite legacy decay) is refused with an error that
+  names the argument, not taken as "no clipping" or turned into NaN params."""
+  with pytest.raises(ValueError, match=rf"\b{arg}\b"):
+    CONSTRUCTORS[ctor](**{arg: value})
+
+
+@pending("class 2, per-variable clipnorm clips the whole stacked leaf (or document per leaf)")
+@pytest.mark.parametrize("ctor", ["keras_lamb", "tfa_lamb"])
+def test_per_variable_clipnorm_clips_each_stacked_layer(ctor):
+  """Class 2: with stacked_axes, Keras' and TF Addons' per-variable clipnorm must compute what a
+  model with one variable per layer computes (per slice). The lead decides between per slice
+  and documenting per leaf: the assertion marked PER SLICE is the one that decides."""
+  rng = np.random.default_rng(2)
+  layers = 3
+  stacked = {"w": jnp.asarray(rng.normal(size=(layers, 4, 3)), jnp.float32)}
+  grads = []
+  for _ in range(3):  # layers with gradient norms far apart, so a shared clip differs
+    g = rng.normal(size=(layers, 4, 3)) * np.array([0.01, 1.0, 30.0])[:, None, None]
+    grads.append({"w": jnp.asarray(g, jnp.float32)})
+  split = lambda tree: {f"w{i}": tree["w"][i] for i in range(layers)}
+  with_stacking = CONSTRUCTORS[ctor](clipnorm=0.1, stacked_axes={"w": 1})
+  per_layer = CONSTRUCTORS[ctor](clipnorm=0.1)
+  got = split(_run(with_stacking, stacked, grads))
+  want = _run(per_layer, split(stacked), [split(g) for g in grads])
+  _assert_close(got, want)  # PER SLICE
+
+
+# --- class 4: every error names the argument as the library spells it ------------------------
+
+# lamb's and the core's names that a constructor may not have: an error naming one of them
+# names an argument the user did not pass.
+_CORE_NAMES = {
+  "eps", "eps_root", "mask", "learning_rate", "lr", "weight_decay", "max_grad_norm",
+  "min_trust_ratio", "max_trust_ratio", "trust_ratio_mask", "max_param_norm", "bias_correction",
+  "epsilon", "beta_1", "beta_2", "betas", "clip_norm_eps", "decay_base_lr", "grad_averaging",
+  "caution", "weight_decay_placement", "bias_correction_placement",
+}  # fmt: skip
+_LAMB_OPTIONS = {
+  "stacked_axes": -1, "axis_name": 3, "implementation": "nope", "skip_nonfinite": "yes",
+  "grad_scale": -1.0, "master_weights": "yes",
+}  # fmt: skip
+# Values refused beyond a wrong type, per constructor (the library's or the core's limits).
+_SPECIAL = {
+  "apex_fused_lamb": [("eps", 0.0), ("amsgrad", True), ("max_grad_norm", -1.0), ("lr", -1.0)],
+  "deepspeed_fused_lamb": [
+    ("eps", 0.0), ("amsgrad", True), ("max_coeff", -1.0), ("min_coeff", math.inf), ("lr", -1.0)
+  ],
+  "timm_lamb": [("eps", 0.0), ("eps", -1.0), ("lr", -1.0), ("base_lr", 1e-3)],
+  "torch_optimizer_lamb": [("eps", 0.0), ("lr", 0.0), ("clamp_value", -1.0), ("betas", (0.9, 1.0))],
+  "keras_lamb": [("epsilon", 0.0), ("learning_rate", 1), ("beta_1", 1.0), ("weight_decay", -1.0)],
+  "tfa_lamb": [("epsilon", 0.0), ("lr", -1.0), ("decay", -1.0), ("beta_2", 1.0)],
+}  # fmt: skip
+# Words of a library's own error messages, quoted as it raises them (timm: "Invalid epsilon").
+_LIBRARY_WORDS = {"timm_lamb": {"epsilon"}}
+_MASKS = ["weight_decay_mask:value", "weight_decay_mask:callable", "weight_decay_mask:structure"]
+
+
+def _bad_values(ctor: str) -> list[tuple[str, object]]:
+  """Every argument of `ctor` with a value its library (or the core) refuses."""
+  cases = []
+  for p in inspect.signature(CONSTRUCTORS[ctor]).parameters.values():
+    if p.kind is p.VAR_KEYWORD or p.name in ("weight_decay_mask", "set_grad_none"):
+      continue
+    if isinstance(p.default, bool):
+      cases.append((p.name, "yes"))
+    elif p.name.startswith("exclude_from"):
+      cases.append((p.name, "bias"))  # a str, not a list of them
+    else:
+      cases.append((p.name, "x"))  # a number (or a pair, a schedule) is expected
+  return cases + _SPECIAL[ctor] + list(_LAMB_OPTIONS.items())
+
+
+_ERROR_CASES = [(c, a, v) for c in CONSTRUCTORS for a, v in _bad_values(c)]
+_ERROR_CASES += [(c, m, None) for c in CONSTRUCTORS if c != "tfa_lamb" for m in _MASKS]
+
+
+def _raised(ctor: str, arg: str, value: object) -> Exception:
+  """The error of building (or, for what is read from the params, of stepping) the optimizer."""
+  params = _params()
+  if arg.startswith("weight_decay_mask"):
+    arg, value = (
+      "weight_decay_mask",
+      {
+        "weight_decay_mask:value": "x",
+        "weight_decay_mask:callable": lambda p: jax.tree.map(lambda _: "x", p),
+        "weight_decay_mask:structure": {"nope": True},
+      }[f"weight_decay_mask:{arg.split(':')[1]}"],
+    )
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      tx = CONSTRUCTORS[ctor](**{arg: value})
+      tx.update(_grads(1)[0], tx.init(params), params)
+  except Exception as error:  # noqa: BLE001 (any error: its message is what is checked)
+    return error
+  pytest.fail(f"{ctor}({arg}={value!r}) was accepted")
+
+
+@pytest.mark.parametrize("ctor,arg,value", _ERROR_CASES)
+def test_errors_name_the_argument_as_the_library_spells_it(ctor, arg, value):
+  """Class 4: every error a compat constructor raises names the argument the user passed, as
+  that library spells it, and no core argument the constructor does not have (keras_lamb's
+  epsilon, not eps; weight_decay_mask, not mask)."""
+  message = str(_raised(ctor, arg, value))
+  name = arg.split(":")[0]
+  assert re.search(rf"\b{name}\b", message, re.IGNORECASE), f"{name} not in: {message}"
+  own = set(inspect.signature(CONSTRUCTORS[ctor]).parameters) | set(_LAMB_OPTIONS)
+  own |= _LIBRARY_WORDS.get(ctor, set())
+  foreign = [n for n in sorted(_CORE_NAMES - own) if re.search(rf"\b{n}\b", message)]
+  assert not foreign, f"{ctor}({name}=...) names {foreign}, not its arguments: {message}"
