@@ -86,3 +86,23 @@ class Terminate:
 
   def restore(self) -> None:
     signal.signal(signal.SIGTERM, self.previous)
+
+
+
+def load(directory: str, step: int | None = None) -> tuple[dict, dict]:
+  """``(state, meta)`` of a run's checkpoint (default: the latest) as NumPy arrays, whatever
+  devices and processes wrote it: ``state["params"]`` for evaluation or export."""
+  handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+  manager = ocp.CheckpointManager(os.path.abspath(directory), item_handlers=handlers)
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {directory}")
+  tree = manager.item_metadata(step)["state"]
+  tree = getattr(tree, "tree", tree)
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  args = ocp.args.Composite(
+    state=ocp.args.PyTreeRestore(restore_args=as_numpy), meta=ocp.args.JsonRestore()
+  )
+  out = manager.restore(step, args=args)
+  manager.close()
+  return out.state, out.meta

@@ -113,7 +113,7 @@ class Logger:
 
 
 def _lines_up_to(path: str, step: int) -> list[str]:
-  """The lines of an earlier ``metrics.jsonl`` at steps <= ``step`` (all of them if 0 lines)."""
+  """The lines of an earlier ``metrics.jsonl`` at steps <= ``step`` (none for a fresh start)."""
   if not os.path.exists(path) or step == 0:
     return []
   with open(path) as f:
