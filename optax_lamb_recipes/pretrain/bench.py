@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from optax_lamb_recipes.data import num_predictions
-from optax_lamb_recipes.pretrain import config, metrics, optim, run, step
+from optax_lamb_recipes.pretrain import config, optim, run, step
 from optax_lamb_recipes.pretrain import data as data_lib
 from optax_lamb_recipes.pretrain import model as model_lib
 
@@ -57,7 +57,7 @@ def measure(cfg: config.RunConfig, steps: int, warmup: int = 2, peak_tflops=None
   box["state"] = st.init(box["params"])
 
   def train_step():
-    box["params"], box["state"], raw = st.update(box["params"], box["state"], batch)
+    box["params"], box["state"], raw = st.update(box["params"], box["state"], batch, np.int32(0))
     return raw
 
   state_sh = jax.tree.map(lambda a: a.sharding, st.state_abstract)

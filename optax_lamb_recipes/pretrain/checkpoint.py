@@ -45,9 +45,7 @@ class Checkpoints:
   def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
     """``(state, meta)`` of ``step`` (default: the latest), into ``target``'s shardings."""
     step = self.latest() if step is None else step
-    args = ocp.args.Composite(
-      state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-    )
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
     out = self.manager.restore(step, args=args)
     return out.state, out.meta
 
@@ -86,7 +84,6 @@ class Terminate:
 
   def restore(self) -> None:
     signal.signal(signal.SIGTERM, self.previous)
-
 
 
 def load(directory: str, step: int | None = None) -> tuple[dict, dict]:

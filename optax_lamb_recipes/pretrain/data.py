@@ -129,5 +129,8 @@ class Stream:
     """The masked-LM examples of ``step``: BERT masking seeded by (seed, phase, step)."""
     rng = np.random.default_rng((self.seed, self.phase, step, 1))
     return data_lib.mask_tokens(
-      self.seqs[self.rows(step)], rng, mask_id=self.corpus.mask_id, vocab_size=self.corpus.vocab_size
+      self.seqs[self.rows(step)],
+      rng,
+      mask_id=self.corpus.mask_id,
+      vocab_size=self.corpus.vocab_size,
     )

@@ -41,14 +41,14 @@ def peak_flops(device_kind: str, tflops: float | None = None) -> float | None:
 
 
 def summarize(
-  raw: dict[str, Any], *, lr: float, tokens: int, seconds: float, flops: float, devices: int,
+  raw: dict[str, Any], *, tokens: int, seconds: float, flops: float, devices: int,
   peak: float | None,
 ) -> dict[str, float]:  # fmt: skip
   """One log line's numbers: the step's device metrics and the window's throughput.
 
   ``tokens`` and ``flops`` were trained in ``seconds`` over ``devices`` devices.
   """
-  out = {"loss": float(raw["loss"]), "lr": float(lr), "grad_norm": float(raw["grad_norm"])}
+  out = {k: float(raw[k]) for k in ("loss", "lr", "grad_norm")}
   if "trust_ratios" in raw:
     ratios = np.asarray(raw["trust_ratios"], np.float64)
     for q, value in zip(QUANTILES, np.quantile(ratios, QUANTILES), strict=True):

@@ -40,4 +40,12 @@ def parameter_count(cfg: model_lib.BertConfig) -> int:
   """The number of parameters (float32 each), by formula."""
   h, f = cfg.hidden, cfg.mlp
   layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
-  return (cfg.vocab_size + cfg.max_len) * h + 2 * h + cfg.layers * layer + h * h + h + 2 * h + cfg.vocab_size
+  return (
+    (cfg.vocab_size + cfg.max_len) * h
+    + 2 * h
+    + cfg.layers * layer
+    + h * h
+    + h
+    + 2 * h
+    + cfg.vocab_size
+  )

@@ -23,7 +23,9 @@ NAMES = ("lamb", "adamw", *COMPAT)
 _RECIPE_FIELDS = frozenset(f.name for f in dataclasses.fields(train.OptimizerConfig))
 
 
-def build(name: str, schedule: optax.Schedule, args: dict[str, Any]) -> optax.GradientTransformation:
+def build(
+  name: str, schedule: optax.Schedule, args: dict[str, Any]
+) -> optax.GradientTransformation:
   """``name``'s transformation with learning rate ``schedule`` and keyword arguments ``args``."""
   args = dict(args)
   if name in ("lamb", "adamw"):

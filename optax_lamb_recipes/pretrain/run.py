@@ -74,12 +74,26 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
     raise ValueError(f"sequences longer than the model's {model_cfg.max_len} positions")
   model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule)
   args = dict(cfg.opt_args)
-  txs = [optim.build(cfg.opt, p.phase().schedule(), args) for p in cfg.phases]
+  schedules = [p.phase().schedule() for p in cfg.phases]
+  txs = [optim.build(cfg.opt, sched, args) for sched in schedules]
   ratios = optim.has_trust_ratios(txs[0], model.abstract)
-  steps = [step.make_step(model, tx, mesh, rule, ratios) for tx in txs]
+  steps = [
+    step.make_step(model, tx, sched, mesh, rule, ratios)
+    for tx, sched in zip(txs, schedules, strict=True)
+  ]
   ckpt = checkpoint.Checkpoints(os.path.join(opts.out, "checkpoints"))
   kind = mesh.devices.flat[0].device_kind
-  return _Run(cfg, opts, corpus, mesh, model_cfg, model, steps, ckpt, peak=metrics.peak_flops(kind, opts.peak_tflops))
+  return _Run(
+    cfg,
+    opts,
+    corpus,
+    mesh,
+    model_cfg,
+    model,
+    steps,
+    ckpt,
+    peak=metrics.peak_flops(kind, opts.peak_tflops),
+  )
 
 
 def start_state(run: _Run) -> tuple[int, int, Any, Any]:
@@ -105,7 +119,7 @@ def train(cfg: RunConfig, opts: Options) -> Result:
   terminate = checkpoint.Terminate()
   start, stopped = done, False
   try:
-    for p, (phase, st) in enumerate(zip(cfg.phases, run.steps, strict=True)):
+    for p, st in enumerate(run.steps):
       if done >= run.ends[p]:
         continue
       if state_phase < p:  # the recipe's phase 2: moments kept, schedule restarted
@@ -131,7 +145,6 @@ def _phase(run: _Run, p: int, params, opt_state, done: int, terminate) -> tuple:
   flops = phase.batch * model_lib.train_flops(
     run.model_cfg, phase.seq_len, num_predictions(phase.seq_len)
   )
-  schedule = phase.phase().schedule()
   window = _Window()
   multi = jax.process_count() > 1
   with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the next batch while this one trains
@@ -141,13 +154,13 @@ def _phase(run: _Run, p: int, params, opt_state, done: int, terminate) -> tuple:
       if t + 1 < phase.steps:
         ahead = pool.submit(stream.batch, t + 1)
       batch = step.global_batch(host, k, st.batch_sharding)
-      params, opt_state, raw = st.update(params, opt_state, batch)
+      params, opt_state, raw = st.update(params, opt_state, batch, np.int32(t))
       done += 1
       run.logger.advance()
       window.add(raw)
       logged = done % cfg.log_every == 0 or t + 1 == phase.steps
       if logged:
-        values = window.summary(run, raw, float(schedule(t)), phase, flops)
+        values = window.summary(run, raw, phase, flops)
         run.logger.log(done, p, values)
       if done % cfg.checkpoint_every == 0:
         run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
@@ -175,12 +188,12 @@ class _Window:
     else:
       self.steps += 1
 
-  def summary(self, run: _Run, raw, lr: float, phase, flops: float) -> dict[str, float]:
+  def summary(self, run: _Run, raw, phase, flops: float) -> dict[str, float]:
     raw = jax.device_get(raw)
     now = time.perf_counter()
     seconds = max(now - self.since, 1e-9)
     values = metrics.summarize(
-      raw, lr=lr, tokens=self.steps * phase.batch * phase.seq_len, seconds=seconds,
+      raw, tokens=self.steps * phase.batch * phase.seq_len, seconds=seconds,
       flops=self.steps * flops, devices=run.mesh.size, peak=run.peak,
     )  # fmt: skip
     if self.steps == 0:  # nothing timed yet
@@ -195,13 +208,16 @@ def _rehearse_kill(kill_at: tuple[int, int] | None, done: int) -> None:
 
 
 def _describe(run: _Run, done: int) -> str:
-  n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(run.model.abstract))
+  leaves = jax.tree.leaves(run.model.abstract)
+  n_params = sum(int(np.prod(a.shape)) for a in leaves)
+  split = sum(not a.sharding.is_fully_replicated for a in leaves)
   lines = [
     f"{jax.process_count()} process(es), {run.mesh.size} device(s) "
     f"({run.mesh.devices.flat[0].device_kind}); BERT-{run.cfg.model}: {n_params / 1e6:.1f}M "
     f"params, vocab {run.corpus.vocab_size} (model {run.model_cfg.vocab_size}), "
     f"{len(run.corpus.ids)} tokens; {run.cfg.opt}; compute {run.cfg.dtype}",
   ]
+  lines.append(f"parameter arrays split over the devices: {split} of {len(leaves)}")
   for i, p in enumerate(run.cfg.phases):
     k = p.accumulation(run.mesh.size)
     lines.append(

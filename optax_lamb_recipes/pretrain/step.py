@@ -53,7 +53,9 @@ def sharding_rule(mesh: Mesh, fsdp: bool) -> Callable[[Any], NamedSharding]:
 
 def abstract_with(tree: Any, shardings: Any) -> Any:
   """``jax.ShapeDtypeStruct`` leaves with shardings (a restore target)."""
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+  )
 
 
 @dataclasses.dataclass
@@ -79,7 +81,9 @@ def make_model(cfg: model_lib.BertConfig, dtype: Any, seed: int, rule: Callable)
 
   shapes = jax.eval_shape(make)
   shardings = jax.tree.map(rule, shapes)
-  return Model(box["graphdef"], abstract_with(shapes, shardings), jax.jit(make, out_shardings=shardings))
+  return Model(
+    box["graphdef"], abstract_with(shapes, shardings), jax.jit(make, out_shardings=shardings)
+  )
 
 
 @dataclasses.dataclass
@@ -90,20 +94,28 @@ class Step:
   state_abstract: Any
   init: Callable  # params -> opt_state
   carry: Callable  # (params, previous phase's opt_state) -> opt_state (moments kept)
-  update: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
+  update: Callable  # (params, opt_state, batch, phase step) -> (params, opt_state, metrics)
   batch_sharding: NamedSharding
 
 
-def make_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh, rule, ratios: bool) -> Step:
-  """The jitted programs of one phase; ``ratios``: report LAMB's trust ratios."""
+def make_step(
+  model: Model, tx: optax.GradientTransformation, schedule, mesh: Mesh, rule, ratios: bool
+) -> Step:
+  """The jitted programs of one phase with learning rate ``schedule`` (reported, from the
+  phase's step) and optimizer ``tx``; ``ratios``: report LAMB's trust ratios."""
   shapes = jax.eval_shape(tx.init, model.abstract)
   state_sh = jax.tree.map(rule, shapes)
   p_sh = model.shardings
   batch_sh = NamedSharding(mesh, P(None, AXIS))  # [micro-batches, batch, ...]
   decayed = np.asarray(jax.tree.leaves(train.decay_mask(model.abstract)))
+
+  def update(params, state, batch, t):
+    params, state, metrics = _update(model.graphdef, tx, params, state, batch, decayed, ratios)
+    return params, state, {**metrics, "lr": schedule(t)}
+
   update = jax.jit(
-    lambda p, s, b: _update(model.graphdef, tx, p, s, b, decayed if ratios else None),
-    in_shardings=(p_sh, state_sh, batch_sh),
+    update,
+    in_shardings=(p_sh, state_sh, batch_sh, None),
     out_shardings=(p_sh, state_sh, None),
     donate_argnums=(0, 1),
   )
@@ -121,7 +133,7 @@ def make_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh, rule, 
   )
 
 
-def _update(graphdef, tx, params, state, batch: MLMBatch, decayed) -> tuple:
+def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios: bool) -> tuple:
   """Accumulate the micro-batches' gradients (float32), then one optimizer step."""
   grad_fn = jax.value_and_grad(model_lib.loss_fn, argnums=1)
 
@@ -136,8 +148,8 @@ def _update(graphdef, tx, params, state, batch: MLMBatch, decayed) -> tuple:
   grads = jax.tree.map(lambda g: g / k, grads)
   updates, state = tx.update(grads, state, params)
   params = optax.apply_updates(params, updates)
-  metrics = {"loss": loss / k, "grad_norm": optax.global_norm(grads)}
-  if decayed is not None:  # the weight matrices' ratios (the others are 1 by BERT's rule)
+  metrics = {"loss": loss / k, "grad_norm": optax.tree.norm(grads)}
+  if ratios:  # the weight matrices' ratios (the others are 1 by BERT's rule)
     leaves = jax.tree.leaves(optax_lamb.trust_ratios(state))
     keep = decayed if len(leaves) == len(decayed) else [True] * len(leaves)  # several stages
     metrics["trust_ratios"] = jnp.concatenate(
