@@ -54,10 +54,13 @@ class Checkpoints:
     self.manager.close()
 
 
+CADENCES = ("log_every", "checkpoint_every")  # may change between restarts
+
+
 def check_resumable(meta: dict, config: dict, fingerprint: str) -> None:
   """Refuse a checkpoint written by another configuration or corpus (the curve would differ)."""
-  if meta["config"] != config:
-    differ = sorted(k for k in config if meta["config"].get(k) != config[k])
+  differ = sorted(k for k in config if k not in CADENCES and meta["config"].get(k) != config[k])
+  if differ:
     raise SystemExit(f"the checkpoint's run differs in {differ}; use another --out to start anew")
   if meta["corpus"] != fingerprint:
     raise SystemExit("the checkpoint was trained on another corpus or vocabulary")

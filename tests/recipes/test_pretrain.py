@@ -26,7 +26,7 @@ from helpers import fast_compile
 
 from optax_lamb_recipes import data, model
 from optax_lamb_recipes.pretrain import __main__ as cli
-from optax_lamb_recipes.pretrain import bench, checkpoint, config, metrics, optim
+from optax_lamb_recipes.pretrain import bench, checkpoint, config, metrics, optim, step
 from optax_lamb_recipes.pretrain import data as pdata
 from optax_lamb_recipes.pretrain import model as pmodel
 
@@ -186,12 +186,20 @@ def dot_flops(jaxpr) -> int:
   return int(total)
 
 
+def abstract_model(cfg, dtype=None):
+  """The model's structure and parameter shapes (nothing computed: no compile)."""
+  built = step.make_model(
+    cfg, dtype, 0, step.sharding_rule(step.make_mesh(jax.devices()[:1]), False)
+  )
+  return built.graphdef, built.abstract
+
+
 @pytest.mark.parametrize("seq_len", [32, 128])
 def test_flop_count_matches_the_programs(seq_len):
   """The formula against the jaxpr's matmuls (exactly, forward and training) and XLA's count
   (which adds LayerNorm, GELU and softmax: a few percent more)."""
   cfg = pmodel.bert_config("tiny", 2048)
-  graphdef, params = model.init_params(cfg, 0)
+  graphdef, params = abstract_model(cfg)
   rng = np.random.default_rng(0)
   seqs = rng.integers(5, 2048, (3, seq_len)).astype(np.int32)
   batch = data.mask_tokens(seqs, rng, mask_id=4, vocab_size=2048)
@@ -202,7 +210,7 @@ def test_flop_count_matches_the_programs(seq_len):
   assert 3 * pmodel.train_flops(cfg, seq_len, data.num_predictions(seq_len)) == 3 * want
   cost = jax.jit(forward).lower(params).cost_analysis()
   assert want <= cost["flops"] <= 1.1 * want
-  assert pmodel.parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(params))
+  assert pmodel.parameter_count(cfg) == sum(np.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 def test_mfu_and_trust_ratio_quantiles():
@@ -221,8 +229,8 @@ def test_batches_are_a_function_of_seed_phase_and_step():
   corpus = pdata.Corpus(np.arange(5, 5 + 32 * 10, dtype=np.int32) % 50 + 5, 60, 4, "x")
   a = pdata.Stream(corpus, seq_len=32, batch=4, seed=0, phase=0)
   b = pdata.Stream(corpus, seq_len=32, batch=4, seed=0, phase=0)
-  for step in (3, 0, 7):  # any order: no state carried from one step to the next
-    for x, y in zip(a.batch(step), b.batch(step), strict=True):
+  for t in (3, 0, 7):  # any order: no state carried from one step to the next
+    for x, y in zip(a.batch(t), b.batch(t), strict=True):
       np.testing.assert_array_equal(x, y)
   epoch = np.concatenate([a.rows(s) for s in range(5)])  # 20 rows: two epochs of 10
   assert sorted(epoch[:10]) == list(range(10)) and sorted(epoch[10:]) == list(range(10))
@@ -267,13 +275,16 @@ def test_bench_skips_without_a_gpu(tmp_path):
 
 def test_bf16_compute_keeps_float32_params_and_loss():
   cfg = pmodel.bert_config("tiny", 256)
-  graphdef, params = model.init_params(cfg, 0, jnp.bfloat16)
+  graphdef, params = abstract_model(cfg, jnp.bfloat16)
   rng = np.random.default_rng(0)
   batch = data.mask_tokens(rng.integers(5, 256, (2, 32)).astype(np.int32), rng, mask_id=4,
                            vocab_size=256)  # fmt: skip
-  loss, grads = jax.value_and_grad(lambda p: model.loss_fn(graphdef, p, batch))(params)
-  assert loss.dtype == jnp.float32 and np.isfinite(loss)
-  assert {x.dtype for x in jax.tree.leaves((params, grads))} == {np.dtype(np.float32)}
-  jaxpr = jax.make_jaxpr(lambda p: model.loss_fn(graphdef, p, batch))(params).jaxpr
+  forward = lambda p: model.loss_fn(graphdef, p, batch)
+  loss_and_grads = jax.value_and_grad(forward)
+  jaxpr = jax.make_jaxpr(forward)(params).jaxpr  # every matmul of the forward pass in bf16
   dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
   assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+  _, params = model.init_params(cfg, 0)  # float32 either way
+  loss, grads = fast_compile.jit(loss_and_grads)(params)
+  assert loss.dtype == jnp.float32 and np.isfinite(loss)
+  assert {x.dtype for x in jax.tree.leaves((params, grads))} == {np.dtype(np.float32)}
