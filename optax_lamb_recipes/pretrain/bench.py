@@ -56,7 +56,7 @@ def measure(cfg: config.RunConfig, steps: int, warmup: int = 2, peak_tflops=None
   box = {"params": model.init()}
   box["state"] = st.init(box["params"])
 
-  def train_step():
+  def train_step() -> dict:
     box["params"], box["state"], raw = st.update(box["params"], box["state"], batch, np.int32(0))
     return raw
 
@@ -69,7 +69,7 @@ def measure(cfg: config.RunConfig, steps: int, warmup: int = 2, peak_tflops=None
   )
   grads = jax.tree.map(lambda p: p * 1e-3, box["params"])
 
-  def optimizer_step():
+  def optimizer_step() -> dict:
     box["params"], box["state"] = apply(grads, box["state"], box["params"])
     return box["params"]
 

@@ -23,7 +23,7 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: the run saved and stopped early; run it 
 class Checkpoints:
   """``save(step, state, meta)`` and ``restore(target)`` under ``directory``."""
 
-  def __init__(self, directory: str, keep: int = 3):
+  def __init__(self, directory: str, keep: int = 3) -> None:
     self.manager = ocp.CheckpointManager(
       os.path.abspath(directory),
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -69,7 +69,7 @@ def check_resumable(meta: dict, config: dict, fingerprint: str) -> None:
 class Terminate:
   """Set by SIGTERM; ``requested()`` agrees over every process (one may get it first)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.flag = False
     self.previous = signal.signal(signal.SIGTERM, self._handle)
 

@@ -12,11 +12,15 @@ import dataclasses
 import functools
 import hashlib
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from optax_lamb_recipes import data as data_lib
 from optax_lamb_recipes import train_tokenizer
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer is kept beside the checkpoints
 
@@ -37,7 +41,7 @@ class Corpus:
 
 
 def read_lines(paths: list[str] | None) -> list[str]:
-  """Non-empty lines of the given text files, or the King James Bible (one chapter a line)."""
+  """Non-empty lines of the given text files, or the King James Bible (a paragraph a line)."""
   if not paths:
     return data_lib.kjv_text().split("\n")
   lines = []
@@ -51,7 +55,7 @@ def read_lines(paths: list[str] | None) -> list[str]:
 
 
 def load_tokenizer(vocab: str | None, lines: list[str], vocab_size: int, out_dir: str | None, *,
-                   default_corpus: bool):  # fmt: skip
+                   default_corpus: bool) -> Tokenizer:  # fmt: skip
   """The tokenizer: ``vocab`` (a tokenizers JSON or a BERT ``vocab.txt``), else one kept in
   ``out_dir`` by an earlier start, else the committed KJV one (default corpus), else one trained
   on ``lines`` with ``tokenizers`` (and kept in ``out_dir``)."""
@@ -75,7 +79,7 @@ def load_tokenizer(vocab: str | None, lines: list[str], vocab_size: int, out_dir
   return tok
 
 
-def _from_vocab_txt(path: str):
+def _from_vocab_txt(path: str) -> Tokenizer:
   """A BERT ``vocab.txt`` (one token a line) as an uncased BERT WordPiece tokenizer."""
   from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -104,7 +108,7 @@ def load_corpus(
 class Stream:
   """One phase's batches: ``batch(step)`` is ``MLMBatch`` ``[batch, seq_len]`` (NumPy)."""
 
-  def __init__(self, corpus: Corpus, seq_len: int, batch: int, seed: int, phase: int):
+  def __init__(self, corpus: Corpus, seq_len: int, batch: int, seed: int, phase: int) -> None:
     self.seqs = data_lib.chunk(corpus.ids, seq_len)
     if len(self.seqs) == 0:
       raise ValueError(f"the corpus has fewer than {seq_len} tokens")

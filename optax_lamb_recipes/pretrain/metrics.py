@@ -63,7 +63,9 @@ class Logger:
   """Prints, writes TensorBoard scalars and ``metrics.jsonl`` (dropping lines after ``start``
   when a run resumes), and moves a progress bar; a no-op but for the bar off process 0."""
 
-  def __init__(self, out_dir: str, start: int, total: int, lead: bool, progress: bool = True):
+  def __init__(
+    self, out_dir: str, start: int, total: int, lead: bool, progress: bool = True
+  ) -> None:
     self.lead = lead
     self.writer = self.file = None
     if lead:

@@ -176,7 +176,7 @@ class _Window:
   """Throughput over the steps since the last log line (a phase's first step, which compiles,
   is left out)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.started = False
     self.steps = 0
     self.since = 0.0

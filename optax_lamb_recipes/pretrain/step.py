@@ -109,7 +109,7 @@ def make_step(
   batch_sh = NamedSharding(mesh, P(None, AXIS))  # [micro-batches, batch, ...]
   decayed = np.asarray(jax.tree.leaves(train.decay_mask(model.abstract)))
 
-  def update(params, state, batch, t):
+  def update(params, state, batch, t) -> tuple:
     params, state, metrics = _update(model.graphdef, tx, params, state, batch, decayed, ratios)
     return params, state, {**metrics, "lr": schedule(t)}
 
@@ -137,7 +137,7 @@ def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios: bool)
   """Accumulate the micro-batches' gradients (float32), then one optimizer step."""
   grad_fn = jax.value_and_grad(model_lib.loss_fn, argnums=1)
 
-  def micro(carry, mb):
+  def micro(carry, mb) -> tuple:
     grads, loss = carry
     mb_loss, mb_grads = grad_fn(graphdef, params, MLMBatch(*mb))
     return (jax.tree.map(jnp.add, grads, mb_grads), loss + mb_loss), None

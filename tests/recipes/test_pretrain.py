@@ -274,7 +274,7 @@ def test_bench_skips_without_a_gpu(tmp_path):
 
 
 def test_bf16_compute_keeps_float32_params_and_loss():
-  cfg = pmodel.bert_config("tiny", 256)
+  cfg = model.BertConfig(vocab_size=256, hidden=32, layers=1, heads=2, mlp=64, max_len=32)
   graphdef, params = abstract_model(cfg, jnp.bfloat16)
   rng = np.random.default_rng(0)
   batch = data.mask_tokens(rng.integers(5, 256, (2, 32)).astype(np.int32), rng, mask_id=4,
