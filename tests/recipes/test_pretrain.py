@@ -284,7 +284,32 @@ def test_bf16_compute_keeps_float32_params_and_loss():
   jaxpr = jax.make_jaxpr(forward)(params).jaxpr  # every matmul of the forward pass in bf16
   dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
   assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
-  _, params = model.init_params(cfg, 0)  # float32 either way
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.02, a.shape), a.dtype), params)
   loss, grads = fast_compile.jit(loss_and_grads)(params)
   assert loss.dtype == jnp.float32 and np.isfinite(loss)
   assert {x.dtype for x in jax.tree.leaves((params, grads))} == {np.dtype(np.float32)}
+
+
+def test_corpus_with_a_trained_or_a_given_vocabulary(tmp_path, corpus):
+  """No --vocab: a WordPiece trained on the corpus, kept for the restarts; a BERT vocab.txt
+  gives the ids of the tokenizers JSON it was written from."""
+  trained = pdata.load_corpus([corpus], vocab_size=300, out_dir=str(tmp_path))
+  assert trained.vocab_size == 300 and (tmp_path / pdata.TOKENIZER_FILE).exists()
+  again = pdata.load_corpus([corpus], vocab_size=300, out_dir=str(tmp_path))
+  assert again.fingerprint == trained.fingerprint
+  vocab = json.loads(open(VOCAB).read())["model"]["vocab"]
+  (tmp_path / "vocab.txt").write_text("\n".join(sorted(vocab, key=vocab.get)) + "\n")
+  from_txt = pdata.load_corpus([corpus], vocab=str(tmp_path / "vocab.txt"))
+  from_json = pdata.load_corpus([corpus], vocab=VOCAB)
+  np.testing.assert_array_equal(from_txt.ids, from_json.ids)
+  assert from_json.mask_id == vocab["[MASK]"] and from_json.model_vocab == 2048
+
+
+def test_a_checkpoint_of_another_run_is_refused():
+  cfg = config.PRESETS["smoke"].to_json()
+  meta = {"config": cfg, "corpus": "abc"}
+  checkpoint.check_resumable(meta, {**cfg, "log_every": 1, "checkpoint_every": 2}, "abc")
+  with pytest.raises(SystemExit, match="seed"):
+    checkpoint.check_resumable(meta, {**cfg, "seed": 1}, "abc")
+  with pytest.raises(SystemExit, match="corpus"):
+    checkpoint.check_resumable(meta, cfg, "abd")
