@@ -3,15 +3,16 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [stages...]
 #
-# Stages, in this order: versions pytest bench bench_many tuning. Default: versions pytest bench,
-# which fits one 10-minute call; bench_many (1,000 leaves: XLA alone compiles such a step for
-# about 2 minutes on an H100) and tuning each take a call of their own:
+# Stages, in this order: versions pytest bench bench_many tuning pretrain. Default: versions pytest
+# bench, which fits one 10-minute call; bench_many (1,000 leaves: XLA alone compiles such a step for
+# about 2 minutes on an H100), tuning and pretrain each take a call of their own:
 #   call 1: bash benchmarks/gpu_session.sh            call 2: bash benchmarks/gpu_session.sh bench_many
 # Run from anywhere (it cd's to the repository root); needs no network. Everything a stage prints is
 # also teed into $OUT/<stage>.txt; the benchmark writes $OUT/gpu_<case>.json, the tuning
 # $OUT/tuning.json. Each stage has its own time limit; a stage that fails or times out does not stop
 # the next one (the exit status is the first failure's). Commit the JSON as
-# benchmarks/results/<device>.json (python -m benchmarks.step --json-auto names it).
+# benchmarks/results/<device>.json (python -m benchmarks.step --json-auto names it). The pretrain
+# stage writes $OUT/pretrain_bench.json (tokens/s, MFU, optimizer share) and skips without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -63,6 +64,11 @@ stage bench_many 500 python3 -m benchmarks.step --cases 1000x1000 \
 stage tuning 500 python3 -m benchmarks.pallas_tuning --cases bert-large \
   --variants ${TUNING_VARIANTS:-default pass2-all-xla pass2-all-kernel leaves-64} \
   --json "$OUT/tuning.json"
+
+# BERT-base phase 1 through the pretrain command's own jitted step, LAMB and AdamW: tokens/s per
+# device, MFU, and the optimizer's share of a step without accumulation (pretrain/bench.py).
+stage pretrain 500 python3 -m optax_lamb_recipes.pretrain.bench --preset base --opts lamb adamw \
+  --steps 30 --require-gpu --json "$OUT/pretrain_bench.json"
 
 echo "done $(date -u +%H:%M:%S), status $status; files in $OUT:" && ls -l "$OUT"
 exit "$status"

@@ -45,15 +45,19 @@ def load_tokenizer():
   return Tokenizer.from_str(data)
 
 
-def kjv_token_ids(tokenizer=None) -> np.ndarray:
-  """The whole text tokenized into one int32 array (chapters joined by [SEP])."""
-  tokenizer = tokenizer or load_tokenizer()
+def token_ids(lines, tokenizer) -> np.ndarray:
+  """Lines of text tokenized into one int32 array, each line followed by [SEP]."""
   sep = tokenizer.token_to_id("[SEP]")
   ids: list[int] = []
-  for enc in tokenizer.encode_batch(kjv_text().split("\n"), add_special_tokens=False):
+  for enc in tokenizer.encode_batch(list(lines), add_special_tokens=False):
     ids.extend(enc.ids)
     ids.append(sep)
   return np.asarray(ids, np.int32)
+
+
+def kjv_token_ids(tokenizer=None) -> np.ndarray:
+  """The whole text tokenized into one int32 array (chapters joined by [SEP])."""
+  return token_ids(kjv_text().split("\n"), tokenizer or load_tokenizer())
 
 
 def chunk(ids: np.ndarray, seq_len: int) -> np.ndarray:

@@ -1,8 +1,13 @@
-"""A small masked-LM BERT in Flax NNX (post-LayerNorm, as BERT), and its loss."""
+"""A masked-LM BERT in Flax NNX (post-LayerNorm, as BERT), and its loss.
+
+Parameters are float32; ``dtype`` (e.g. ``jnp.bfloat16``) sets the compute dtype of every
+layer (mixed precision: float32 master weights, float32 loss), ``None`` computes in float32.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +29,20 @@ class BertConfig:
 class Layer(nnx.Module):
   """A post-LN transformer encoder layer: x = LN(x + attn(x)); x = LN(x + mlp(x))."""
 
-  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs, dtype=None):
     init = nnx.initializers.truncated_normal(0.02)
     self.attn = nnx.MultiHeadAttention(
       num_heads=cfg.heads,
       in_features=cfg.hidden,
       kernel_init=init,
       decode=False,
+      dtype=dtype,
       rngs=rngs,
     )
-    self.attn_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
-    self.mlp_in = nnx.Linear(cfg.hidden, cfg.mlp, kernel_init=init, rngs=rngs)
-    self.mlp_out = nnx.Linear(cfg.mlp, cfg.hidden, kernel_init=init, rngs=rngs)
-    self.mlp_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+    self.attn_norm = nnx.LayerNorm(cfg.hidden, dtype=dtype, rngs=rngs)
+    self.mlp_in = nnx.Linear(cfg.hidden, cfg.mlp, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.mlp_out = nnx.Linear(cfg.mlp, cfg.hidden, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(cfg.hidden, dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
     x = self.attn_norm(x + self.attn(x))
@@ -46,15 +52,16 @@ class Layer(nnx.Module):
 class Bert(nnx.Module):
   """Token and position embeddings, encoder layers, and BERT's masked-LM head (tied decoder)."""
 
-  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs, dtype=None):
     init = nnx.initializers.truncated_normal(0.02)
     self.cfg = cfg
-    self.token_embed = nnx.Embed(cfg.vocab_size, cfg.hidden, embedding_init=init, rngs=rngs)
-    self.position_embed = nnx.Embed(cfg.max_len, cfg.hidden, embedding_init=init, rngs=rngs)
-    self.embed_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
-    self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.layers)])
-    self.head = nnx.Linear(cfg.hidden, cfg.hidden, kernel_init=init, rngs=rngs)
-    self.head_norm = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+    embed = functools.partial(nnx.Embed, embedding_init=init, dtype=dtype, rngs=rngs)
+    self.token_embed = embed(cfg.vocab_size, cfg.hidden)
+    self.position_embed = embed(cfg.max_len, cfg.hidden)
+    self.embed_norm = nnx.LayerNorm(cfg.hidden, dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([Layer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.layers)])
+    self.head = nnx.Linear(cfg.hidden, cfg.hidden, kernel_init=init, dtype=dtype, rngs=rngs)
+    self.head_norm = nnx.LayerNorm(cfg.hidden, dtype=dtype, rngs=rngs)
     self.output_bias = nnx.Param(jnp.zeros((cfg.vocab_size,)))
 
   def __call__(self, inputs, positions):
@@ -81,9 +88,12 @@ def mlm_loss(model: Bert, batch) -> jax.Array:
   return mlm_losses(model, batch).mean()
 
 
-def init_params(cfg: BertConfig, seed: int = 0):
-  """``(graphdef, params)``: the static structure and the parameters as nested dicts of arrays."""
-  graphdef, state = nnx.split(Bert(cfg, rngs=nnx.Rngs(seed)))
+def init_params(cfg: BertConfig, seed: int = 0, dtype=None):
+  """``(graphdef, params)``: the static structure and the parameters as nested dicts of arrays.
+
+  ``dtype`` is the compute dtype (kept in ``graphdef``); the parameters are float32 either way.
+  """
+  graphdef, state = nnx.split(Bert(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
   return graphdef, nnx.to_pure_dict(state)
 
 

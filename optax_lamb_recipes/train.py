@@ -62,6 +62,7 @@ def make_optimizer(
   *,
   accumulate: Any = 1,
   opt: OptimizerConfig = OptimizerConfig(),
+  **lamb_options: Any,
 ) -> optax.GradientTransformation:
   """``"lamb"`` (optax_lamb.lamb) or ``"adamw"`` (optax.adamw after global clipping), same settings.
 
@@ -71,6 +72,7 @@ def make_optimizer(
     accumulate: micro-batches per step (int or traced scalar); ``1`` skips ``MultiSteps``
       when it is a Python int.
     opt: betas, eps, weight decay and clipping.
+    **lamb_options: further keyword arguments of :func:`optax_lamb.lamb` (``"lamb"`` only).
   """
   if family == "lamb":
     tx = optax_lamb.lamb(
@@ -82,7 +84,10 @@ def make_optimizer(
       mask=decay_mask,
       trust_ratio_mask=None if opt.ratio_on_no_decay else decay_mask,
       max_grad_norm=opt.max_grad_norm,
+      **lamb_options,
     )
+  elif family == "adamw" and lamb_options:
+    raise TypeError(f"options of lamb only, not of adamw: {sorted(lamb_options)}")
   elif family == "adamw":
     tx = optax.chain(
       optax.clip_by_global_norm(opt.max_grad_norm),

@@ -20,8 +20,11 @@ import json
 from optax_lamb_recipes import data
 
 
-def train(vocab_size: int = 2048):
-  """A ``tokenizers.Tokenizer`` with ids in a fixed order (identical on every run)."""
+def train(vocab_size: int = 2048, texts=None):
+  """A ``tokenizers.Tokenizer`` with ids in a fixed order (identical on every run).
+
+  ``texts``: the lines to train on (default: the King James Bible, one chapter a line).
+  """
   from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
   tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -31,7 +34,8 @@ def train(vocab_size: int = 2048):
   trainer = trainers.WordPieceTrainer(
     vocab_size=vocab_size, special_tokens=list(data.SPECIAL_TOKENS), show_progress=False
   )
-  tok.train_from_iterator(data.kjv_text().split("\n"), trainer=trainer)
+  texts = data.kjv_text().split("\n") if texts is None else texts
+  tok.train_from_iterator(texts, trainer=trainer)
   spec = json.loads(tok.to_str())
   vocab = spec["model"]["vocab"]
   rest = sorted(t for t in vocab if t not in data.SPECIAL_TOKENS)

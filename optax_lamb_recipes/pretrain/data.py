@@ -1,0 +1,140 @@
+"""The corpus, its WordPiece tokenizer, and each phase's masked batches as a function of the step.
+
+A step's batch depends only on (seed, phase, step): the sequences come from a fixed permutation
+of the corpus per epoch and the masks from a generator seeded by (seed, phase, step). A run
+resumed from a checkpoint at step ``s`` therefore reads exactly what an uninterrupted run reads
+after step ``s``, on any number of devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from optax_lamb_recipes import data as data_lib
+from optax_lamb_recipes import train_tokenizer
+
+if TYPE_CHECKING:
+  from tokenizers import Tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer is kept beside the checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """Token ids of the whole corpus (lines joined by [SEP]) and the tokenizer's special ids."""
+
+  ids: np.ndarray
+  vocab_size: int  # the tokenizer's
+  mask_id: int
+  fingerprint: str  # of the ids and the vocabulary: a resumed run checks it
+
+  @property
+  def model_vocab(self) -> int:
+    """The model's vocabulary: the tokenizer's rounded up to a multiple of 128 (for matmuls)."""
+    return -(-self.vocab_size // 128) * 128
+
+
+def read_lines(paths: list[str] | None) -> list[str]:
+  """Non-empty lines of the given text files, or the King James Bible (a paragraph a line)."""
+  if not paths:
+    return data_lib.kjv_text().split("\n")
+  lines = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      lines.extend(line.strip() for line in f)
+  lines = [line for line in lines if line]
+  if not lines:
+    raise ValueError(f"no text in {paths}")
+  return lines
+
+
+def load_tokenizer(vocab: str | None, lines: list[str], vocab_size: int, out_dir: str | None, *,
+                   default_corpus: bool) -> Tokenizer:  # fmt: skip
+  """The tokenizer: ``vocab`` (a tokenizers JSON or a BERT ``vocab.txt``), else one kept in
+  ``out_dir`` by an earlier start, else the committed KJV one (default corpus), else one trained
+  on ``lines`` with ``tokenizers`` (and kept in ``out_dir``)."""
+  from tokenizers import Tokenizer
+
+  kept = os.path.join(out_dir, TOKENIZER_FILE) if out_dir else None
+  if vocab is not None:
+    tok = Tokenizer.from_file(vocab) if vocab.endswith(".json") else _from_vocab_txt(vocab)
+  elif kept and os.path.exists(kept):
+    tok = Tokenizer.from_file(kept)
+  elif default_corpus:
+    tok = data_lib.load_tokenizer()
+  else:
+    tok = train_tokenizer.train(vocab_size, lines)
+    if kept:
+      os.makedirs(out_dir, exist_ok=True)
+      tok.save(kept)
+  missing = [t for t in data_lib.SPECIAL_TOKENS if tok.token_to_id(t) is None]
+  if missing:
+    raise ValueError(f"the vocabulary has no {missing}")
+  return tok
+
+
+def _from_vocab_txt(path: str) -> Tokenizer:
+  """A BERT ``vocab.txt`` (one token a line) as an uncased BERT WordPiece tokenizer."""
+  from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+  tok = Tokenizer(models.WordPiece.from_file(path, unk_token="[UNK]"))
+  tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+  tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  tok.decoder = decoders.WordPiece()
+  return tok
+
+
+def load_corpus(
+  paths: list[str] | None = None,
+  vocab: str | None = None,
+  vocab_size: int = 2048,
+  out_dir: str | None = None,
+) -> Corpus:
+  """The corpus tokenized (see :func:`load_tokenizer` for which tokenizer)."""
+  lines = read_lines(paths)
+  tok = load_tokenizer(vocab, lines, vocab_size, out_dir, default_corpus=not paths)
+  ids = data_lib.token_ids(lines, tok)
+  digest = hashlib.sha256(ids.tobytes())
+  digest.update(tok.to_str().encode())
+  return Corpus(ids, tok.get_vocab_size(), tok.token_to_id("[MASK]"), digest.hexdigest()[:16])
+
+
+class Stream:
+  """One phase's batches: ``batch(step)`` is ``MLMBatch`` ``[batch, seq_len]`` (NumPy)."""
+
+  def __init__(self, corpus: Corpus, seq_len: int, batch: int, seed: int, phase: int) -> None:
+    self.seqs = data_lib.chunk(corpus.ids, seq_len)
+    if len(self.seqs) == 0:
+      raise ValueError(f"the corpus has fewer than {seq_len} tokens")
+    self.corpus, self.batch_size, self.seed, self.phase = corpus, batch, seed, phase
+
+  @functools.lru_cache(maxsize=2)  # noqa: B019  (a stream lives as long as its run)
+  def _order(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng((self.seed, self.phase, epoch)).permutation(len(self.seqs))
+
+  def rows(self, step: int) -> np.ndarray:
+    """Indices of the sequences of ``step`` (epochs of fresh permutations, end to end)."""
+    k = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+    n = len(self.seqs)
+    epochs = k // n
+    out = np.empty_like(k)
+    for e in np.unique(epochs):
+      at = epochs == e
+      out[at] = self._order(int(e))[k[at] % n]
+    return out
+
+  def batch(self, step: int) -> data_lib.MLMBatch:
+    """The masked-LM examples of ``step``: BERT masking seeded by (seed, phase, step)."""
+    rng = np.random.default_rng((self.seed, self.phase, step, 1))
+    return data_lib.mask_tokens(
+      self.seqs[self.rows(step)],
+      rng,
+      mask_id=self.corpus.mask_id,
+      vocab_size=self.corpus.vocab_size,
+    )

@@ -1,0 +1,228 @@
+"""The training loop: phases in order, checkpoints, resuming, metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lamb_recipes.data import num_predictions
+from optax_lamb_recipes.pretrain import checkpoint, metrics, optim, step
+from optax_lamb_recipes.pretrain import data as data_lib
+from optax_lamb_recipes.pretrain import model as model_lib
+from optax_lamb_recipes.pretrain.config import RunConfig
+
+
+@dataclasses.dataclass
+class Options:
+  """How to run (not what): where to write, the corpus, the devices, the reporting."""
+
+  out: str
+  corpus: list[str] | None = None  # text files; None: the King James Bible
+  vocab: str | None = None  # a tokenizers JSON or a vocab.txt; None: see data.load_tokenizer
+  vocab_size: int = 2048  # of a tokenizer trained on ``corpus``
+  peak_tflops: float | None = None  # per device; None: metrics.PEAK_TFLOPS, else no MFU
+  progress: bool = True
+  devices: list | None = None  # None: every device of every process
+  kill_at: tuple[int, int] | None = None  # (step, signal): rehearse a preemption after step
+
+
+@dataclasses.dataclass
+class Result:
+  params: Any  # global arrays
+  step: int  # optimizer steps done
+  resumed_from: int  # 0: a fresh start
+  terminated: bool  # stopped by SIGTERM (checkpoint saved)
+
+
+@dataclasses.dataclass
+class _Run:
+  """Everything the loop needs, built once."""
+
+  cfg: RunConfig
+  opts: Options
+  corpus: data_lib.Corpus
+  mesh: Any
+  model_cfg: Any
+  model: step.Model
+  steps: list[step.Step]
+  ckpt: checkpoint.Checkpoints
+  logger: metrics.Logger | None = None
+  peak: float | None = None
+
+  @property
+  def ends(self) -> list[int]:
+    return list(np.cumsum([p.steps for p in self.cfg.phases]))
+
+  def meta(self, done: int) -> dict:
+    return {"step": done, "config": self.cfg.to_json(), "corpus": self.corpus.fingerprint}
+
+
+def build(cfg: RunConfig, opts: Options) -> _Run:
+  """The corpus, the mesh, the model and one jitted step per phase."""
+  corpus = data_lib.load_corpus(opts.corpus, opts.vocab, opts.vocab_size, opts.out)
+  mesh = step.make_mesh(opts.devices)
+  rule = step.sharding_rule(mesh, cfg.fsdp)
+  model_cfg = model_lib.bert_config(cfg.model, corpus.model_vocab)
+  if max(p.seq_len for p in cfg.phases) > model_cfg.max_len:
+    raise ValueError(f"sequences longer than the model's {model_cfg.max_len} positions")
+  model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule)
+  args = dict(cfg.opt_args)
+  schedules = [p.phase().schedule() for p in cfg.phases]
+  txs = [optim.build(cfg.opt, sched, args) for sched in schedules]
+  ratios = optim.has_trust_ratios(txs[0], model.abstract)
+  steps = [
+    step.make_step(model, tx, sched, mesh, rule, ratios)
+    for tx, sched in zip(txs, schedules, strict=True)
+  ]
+  ckpt = checkpoint.Checkpoints(os.path.join(opts.out, "checkpoints"))
+  kind = mesh.devices.flat[0].device_kind
+  return _Run(
+    cfg,
+    opts,
+    corpus,
+    mesh,
+    model_cfg,
+    model,
+    steps,
+    ckpt,
+    peak=metrics.peak_flops(kind, opts.peak_tflops),
+  )
+
+
+def start_state(run: _Run) -> tuple[int, int, Any, Any]:
+  """``(done, state_phase, params, opt_state)``: from the latest checkpoint, or fresh."""
+  done = run.ckpt.latest()
+  if done is None:
+    params = run.model.init()
+    return 0, 0, params, run.steps[0].init(params)
+  phase = int(np.searchsorted(run.ends, done))  # a phase's last step belongs to it
+  target = {"params": run.model.abstract, "opt_state": run.steps[phase].state_abstract}
+  state, meta = run.ckpt.restore(target, done)
+  checkpoint.check_resumable(meta, run.cfg.to_json(), run.corpus.fingerprint)
+  return done, phase, state["params"], state["opt_state"]
+
+
+def train(cfg: RunConfig, opts: Options) -> Result:
+  """Train ``cfg`` through its phases, resuming from ``opts.out`` if it holds a checkpoint."""
+  run = build(cfg, opts)
+  done, state_phase, params, opt_state = start_state(run)
+  lead = jax.process_index() == 0
+  run.logger = metrics.Logger(opts.out, done, cfg.total_steps, lead, opts.progress)
+  run.logger.message(_describe(run, done))
+  terminate = checkpoint.Terminate()
+  start, stopped = done, False
+  try:
+    for p, st in enumerate(run.steps):
+      if done >= run.ends[p]:
+        continue
+      if state_phase < p:  # the recipe's phase 2: moments kept, schedule restarted
+        opt_state, state_phase = st.carry(params, opt_state), p
+      params, opt_state, done, stopped = _phase(run, p, params, opt_state, done, terminate)
+      if stopped:
+        break
+    if not stopped:
+      run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
+  finally:
+    run.ckpt.close()
+    run.logger.close()
+    terminate.restore()
+  return Result(params, done, start, stopped)
+
+
+def _phase(run: _Run, p: int, params, opt_state, done: int, terminate) -> tuple:
+  """Train phase ``p`` from global step ``done`` to its end (or a SIGTERM)."""
+  phase, st, cfg = run.cfg.phases[p], run.steps[p], run.cfg
+  begin = run.ends[p] - phase.steps
+  stream = data_lib.Stream(run.corpus, phase.seq_len, phase.batch, cfg.seed, p)
+  k = phase.accumulation(run.mesh.size)
+  flops = phase.batch * model_lib.train_flops(
+    run.model_cfg, phase.seq_len, num_predictions(phase.seq_len)
+  )
+  window = _Window()
+  multi = jax.process_count() > 1
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the next batch while this one trains
+    ahead = pool.submit(stream.batch, done - begin)
+    for t in range(done - begin, phase.steps):
+      host = ahead.result()
+      if t + 1 < phase.steps:
+        ahead = pool.submit(stream.batch, t + 1)
+      batch = step.global_batch(host, k, st.batch_sharding)
+      params, opt_state, raw = st.update(params, opt_state, batch, np.int32(t))
+      done += 1
+      run.logger.advance()
+      window.add(raw)
+      logged = done % cfg.log_every == 0 or t + 1 == phase.steps
+      if logged:
+        values = window.summary(run, raw, phase, flops)
+        run.logger.log(done, p, values)
+      if done % cfg.checkpoint_every == 0:
+        run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
+      _rehearse_kill(run.opts.kill_at, done)
+      if (logged or not multi) and terminate.requested():
+        run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
+        run.logger.message(f"SIGTERM: saved step {done}; run the same command again to resume")
+        return params, opt_state, done, True
+  return params, opt_state, done, False
+
+
+class _Window:
+  """Throughput over the steps since the last log line (a phase's first step, which compiles,
+  is left out)."""
+
+  def __init__(self) -> None:
+    self.started = False
+    self.steps = 0
+    self.since = 0.0
+
+  def add(self, raw) -> None:
+    if not self.started:
+      jax.block_until_ready(raw)
+      self.started, self.steps, self.since = True, 0, time.perf_counter()
+    else:
+      self.steps += 1
+
+  def summary(self, run: _Run, raw, phase, flops: float) -> dict[str, float]:
+    raw = jax.device_get(raw)
+    now = time.perf_counter()
+    seconds = max(now - self.since, 1e-9)
+    values = metrics.summarize(
+      raw, tokens=self.steps * phase.batch * phase.seq_len, seconds=seconds,
+      flops=self.steps * flops, devices=run.mesh.size, peak=run.peak,
+    )  # fmt: skip
+    if self.steps == 0:  # nothing timed yet
+      values = {k: v for k, v in values.items() if k not in ("tokens_per_s_per_device", "mfu")}
+    self.steps, self.since = 0, now
+    return values
+
+
+def _rehearse_kill(kill_at: tuple[int, int] | None, done: int) -> None:
+  if kill_at is not None and kill_at[0] == done:
+    os.kill(os.getpid(), kill_at[1])  # SIGTERM's handler runs before the next line
+
+
+def _describe(run: _Run, done: int) -> str:
+  leaves = jax.tree.leaves(run.model.abstract)
+  n_params = sum(int(np.prod(a.shape)) for a in leaves)
+  split = sum(not a.sharding.is_fully_replicated for a in leaves)
+  lines = [
+    f"{jax.process_count()} process(es), {run.mesh.size} device(s) "
+    f"({run.mesh.devices.flat[0].device_kind}); BERT-{run.cfg.model}: {n_params / 1e6:.1f}M "
+    f"params, vocab {run.corpus.vocab_size} (model {run.model_cfg.vocab_size}), "
+    f"{len(run.corpus.ids)} tokens; {run.cfg.opt}; compute {run.cfg.dtype}",
+  ]
+  lines.append(f"parameter arrays split over the devices: {split} of {len(leaves)}")
+  for i, p in enumerate(run.cfg.phases):
+    k = p.accumulation(run.mesh.size)
+    lines.append(
+      f"phase {i + 1}: {p.steps} steps of {p.batch} x {p.seq_len} tokens "
+      f"({k} x {p.batch // k} per step), peak lr {p.peak_lr:.3g}, warm-up {p.warmup}"
+    )
+  lines.append(f"resuming from step {done}" if done else "starting at step 0")
+  return "\n".join(lines)

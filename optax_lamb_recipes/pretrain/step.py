@@ -1,0 +1,168 @@
+"""The sharded training step: a mesh over every device, the batch split over it, and optionally
+the parameters and optimizer state too (FSDP); gradients accumulated over micro-batches.
+
+Under ``jax.jit`` the arrays are global, so the mean loss's gradient is already all-reduced by
+the compiler and every optimizer runs unchanged (no ``axis_name``). The accumulated gradient is
+the mean of the micro-batch means, which is the full batch's mean because every sequence has the
+same number of masked positions (``data.mask_tokens``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_lamb
+from optax_lamb_recipes import model as model_lib
+from optax_lamb_recipes import train
+from optax_lamb_recipes.data import MLMBatch
+
+AXIS = "data"
+
+
+def make_mesh(devices: list | None = None) -> Mesh:
+  """A one-axis mesh over ``devices`` (default: every device of every process)."""
+  devices = jax.devices() if devices is None else devices
+  return Mesh(np.asarray(devices), (AXIS,))
+
+
+def sharding_rule(mesh: Mesh, fsdp: bool) -> Callable[[Any], NamedSharding]:
+  """A leaf's sharding from its shape: replicated, or (FSDP) split along its largest dimension
+  that the device count divides. Params and their Adam moments have the same shape, so the
+  moments land where their params are."""
+  n = mesh.size
+
+  def rule(leaf: Any) -> NamedSharding:
+    dims = [d for d, size in enumerate(leaf.shape) if size % n == 0] if fsdp and n > 1 else []
+    if not dims:
+      return NamedSharding(mesh, P())
+    spec = [None] * len(leaf.shape)
+    spec[max(dims, key=lambda d: leaf.shape[d])] = AXIS
+    return NamedSharding(mesh, P(*spec))
+
+  return rule
+
+
+def abstract_with(tree: Any, shardings: Any) -> Any:
+  """``jax.ShapeDtypeStruct`` leaves with shardings (a restore target)."""
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+  )
+
+
+@dataclasses.dataclass
+class Model:
+  """The model's structure, its initial parameters' shardings and how to make them."""
+
+  graphdef: Any
+  abstract: Any  # ShapeDtypeStruct leaves with shardings
+  init: Callable[[], Any]
+
+  @property
+  def shardings(self) -> Any:
+    return jax.tree.map(lambda a: a.sharding, self.abstract)
+
+
+def make_model(cfg: model_lib.BertConfig, dtype: Any, seed: int, rule: Callable) -> Model:
+  """The model's parameters, initialised by one jitted program straight into their shardings."""
+  box = {}
+
+  def make() -> Any:
+    box["graphdef"], params = model_lib.init_params(cfg, seed, dtype)
+    return params
+
+  shapes = jax.eval_shape(make)
+  shardings = jax.tree.map(rule, shapes)
+  return Model(
+    box["graphdef"], abstract_with(shapes, shardings), jax.jit(make, out_shardings=shardings)
+  )
+
+
+@dataclasses.dataclass
+class Step:
+  """One phase's optimizer, state shardings and jitted programs."""
+
+  tx: optax.GradientTransformation
+  state_abstract: Any
+  init: Callable  # params -> opt_state
+  carry: Callable  # (params, previous phase's opt_state) -> opt_state (moments kept)
+  update: Callable  # (params, opt_state, batch, phase step) -> (params, opt_state, metrics)
+  batch_sharding: NamedSharding
+
+
+def make_step(
+  model: Model, tx: optax.GradientTransformation, schedule, mesh: Mesh, rule, ratios: bool
+) -> Step:
+  """The jitted programs of one phase with learning rate ``schedule`` (reported, from the
+  phase's step) and optimizer ``tx``; ``ratios``: report LAMB's trust ratios."""
+  shapes = jax.eval_shape(tx.init, model.abstract)
+  state_sh = jax.tree.map(rule, shapes)
+  p_sh = model.shardings
+  batch_sh = NamedSharding(mesh, P(None, AXIS))  # [micro-batches, batch, ...]
+  decayed = np.asarray(jax.tree.leaves(train.decay_mask(model.abstract)))
+
+  def update(params, state, batch, t) -> tuple:
+    params, state, metrics = _update(model.graphdef, tx, params, state, batch, decayed, ratios)
+    return params, state, {**metrics, "lr": schedule(t)}
+
+  update = jax.jit(
+    update,
+    in_shardings=(p_sh, state_sh, batch_sh, None),
+    out_shardings=(p_sh, state_sh, None),
+    donate_argnums=(0, 1),
+  )
+  return Step(
+    tx=tx,
+    state_abstract=abstract_with(shapes, state_sh),
+    init=jax.jit(tx.init, in_shardings=(p_sh,), out_shardings=state_sh),
+    carry=jax.jit(
+      lambda p, old: train.carry_over_moments(old, tx.init(p)),
+      out_shardings=state_sh,
+      donate_argnums=(1,),
+    ),
+    update=update,
+    batch_sharding=batch_sh,
+  )
+
+
+def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios: bool) -> tuple:
+  """Accumulate the micro-batches' gradients (float32), then one optimizer step."""
+  grad_fn = jax.value_and_grad(model_lib.loss_fn, argnums=1)
+
+  def micro(carry, mb) -> tuple:
+    grads, loss = carry
+    mb_loss, mb_grads = grad_fn(graphdef, params, MLMBatch(*mb))
+    return (jax.tree.map(jnp.add, grads, mb_grads), loss + mb_loss), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), tuple(batch))
+  k = batch.inputs.shape[0]
+  grads = jax.tree.map(lambda g: g / k, grads)
+  updates, state = tx.update(grads, state, params)
+  params = optax.apply_updates(params, updates)
+  metrics = {"loss": loss / k, "grad_norm": optax.tree.norm(grads)}
+  if ratios:  # the weight matrices' ratios (the others are 1 by BERT's rule)
+    leaves = jax.tree.leaves(optax_lamb.trust_ratios(state))
+    keep = decayed if len(leaves) == len(decayed) else [True] * len(leaves)  # several stages
+    metrics["trust_ratios"] = jnp.concatenate(
+      [jnp.ravel(r) for r, d in zip(leaves, keep, strict=True) if d]
+    )
+  return params, state, metrics
+
+
+def global_batch(batch: MLMBatch, accumulation: int, sharding: NamedSharding) -> MLMBatch:
+  """A host batch ``[B, L]`` (the same on every process) as global ``[k, B / k, L]`` arrays."""
+
+  def put(x: np.ndarray) -> jax.Array:
+    x = x.reshape(accumulation, -1, *x.shape[1:])
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return MLMBatch(*(put(np.asarray(x)) for x in batch))

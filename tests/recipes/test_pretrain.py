@@ -1,0 +1,315 @@
+"""``python -m optax_lamb_recipes.pretrain``: end to end, kill and resume, devices and processes.
+
+The runs are the smoke preset (24 + 8 steps of a tiny BERT) on 60 lines of the King James Bible
+with the committed vocabulary, each in a subprocess with its own device count and XLA:CPU's
+fast-compile options (helpers/fast_compile.py): every one-device run has the same programs, so
+they come from the persistent compilation cache after the first.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("tensorboardX")
+
+from helpers import fast_compile
+
+from optax_lamb_recipes import data, model
+from optax_lamb_recipes.pretrain import __main__ as cli
+from optax_lamb_recipes.pretrain import bench, checkpoint, config, metrics, optim, step
+from optax_lamb_recipes.pretrain import data as pdata
+from optax_lamb_recipes.pretrain import model as pmodel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = os.path.join(ROOT, "optax_lamb_recipes", data.TOKENIZER_FILE)
+SMALL = ["--set", "checkpoint_every=6", "--set", "log_every=1", "--no-progress", "--vocab", VOCAB]
+TIMEOUT_S = 240
+
+
+def env(devices: int) -> dict[str, str]:
+  """This environment with its own device count and the repository on the path."""
+  out = dict(os.environ)
+  flags = [f for f in out.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  fast = [f"--{k}={str(v).lower()}" for k, v in fast_compile.options().items()]
+  out["XLA_FLAGS"] = " ".join([*flags, *fast, f"--xla_force_host_platform_device_count={devices}"])
+  out["JAX_PLATFORMS"] = "cpu"
+  out["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, out.get("PYTHONPATH", "")) if p)
+  return out
+
+
+def pretrain(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, "-m", "optax_lamb_recipes.pretrain", "--preset", "smoke", *args]
+  return subprocess.run(
+    cmd, env=env(devices), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S
+  )
+
+
+def final_params(out_dir, step: int | None = None) -> tuple[int, list[np.ndarray]]:
+  state, meta = checkpoint.load(os.path.join(out_dir, "checkpoints"), step)
+  return meta["step"], jax.tree.leaves(state["params"])
+
+
+def losses(out_dir) -> dict[int, float]:
+  return {r["step"]: r["loss"] for r in metrics.read_metrics(out_dir)}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+  path = tmp_path_factory.mktemp("corpus") / "kjv60.txt"
+  path.write_text("\n".join(data.kjv_text().split("\n")[:60]))
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> str:
+  """The small run, uninterrupted, on one device."""
+  out = str(tmp_path_factory.mktemp("reference"))
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", out)
+  assert done.returncode == 0, done.stdout + done.stderr
+  return out
+
+
+def test_smoke_preset_end_to_end(tmp_path):
+  """The documented command, as it is: the King James Bible, both phases, every output."""
+  done = pretrain("--out", str(tmp_path), "--no-progress")
+  assert done.returncode == 0, done.stdout + done.stderr
+  records = metrics.read_metrics(str(tmp_path))
+  cfg = config.PRESETS["smoke"]
+  assert [r["step"] for r in records] == list(range(4, cfg.total_steps + 1, 4))
+  assert [r["phase"] for r in records][-1] == 1
+  assert all(np.isfinite(r["loss"]) and r["trust_ratio/q50"] > 0 for r in records)
+  assert records[-1]["loss"] < records[0]["loss"]
+  assert "tokens_per_s_per_device" in records[-1] and "mfu" not in records[-1]  # no CPU peak
+  assert os.listdir(tmp_path / "tb")
+  assert final_params(tmp_path)[0] == cfg.total_steps
+
+
+def test_sigterm_and_hard_kill_resume_bit_identically(tmp_path, corpus, reference):
+  """SIGTERM saves and stops (exit 143); a SIGKILL loses what followed the last checkpoint;
+  each restart continues, and the run ends where the uninterrupted one does, bit for bit."""
+  args = [*SMALL, "--corpus", corpus, "--out", str(tmp_path)]
+  term = pretrain(*args, "--kill-at", "7:TERM")
+  assert term.returncode == checkpoint.EXIT_TERMINATED, term.stdout + term.stderr
+  assert checkpoint.load(tmp_path / "checkpoints")[1]["step"] == 7
+  kill = pretrain(*args, "--kill-at", "27:KILL")  # phase 2: 24 (phase 1's end) may be unwritten
+  assert kill.returncode == -signal.SIGKILL
+  assert "resuming from step 7" in kill.stdout
+  rest = pretrain(*args)
+  assert rest.returncode == 0, rest.stdout + rest.stderr
+  assert "resuming from step 18" in rest.stdout or "resuming from step 24" in rest.stdout
+  assert losses(tmp_path) == losses(reference)  # every step, bit for bit
+  step, got = final_params(tmp_path)
+  want = final_params(reference)[1]
+  assert step == 32 and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_eight_devices_with_sharded_params_match_one_device(tmp_path, corpus, reference):
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", str(tmp_path), "--fsdp", devices=8)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "1 process(es), 8 device(s)" in done.stdout
+  assert "parameter arrays split over the devices: 41 of 41" in done.stdout
+  got, want = losses(tmp_path), losses(reference)
+  assert sorted(got) == list(range(1, 33))
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=2e-5)
+  for a, b in zip(final_params(tmp_path)[1], final_params(reference)[1], strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_one_device(tmp_path, corpus, reference):
+  """Two jax.distributed processes of two CPU devices each, sharded params, one checkpoint."""
+  coordinator = f"127.0.0.1:{free_port()}"
+  base = [sys.executable, "-m", "optax_lamb_recipes.pretrain", "--preset", "smoke", *SMALL]
+  base += ["--set", "phases=1"]  # 24 steps (one program to compile: a cluster compiles slowly)
+  base += ["--corpus", corpus, "--out", str(tmp_path), "--fsdp", "--coordinator", coordinator]
+  procs = [
+    subprocess.Popen(
+      [*base, "--num-processes", "2", "--process-id", str(i)],
+      env=env(2),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )  # fmt: skip
+    for i in range(2)
+  ]
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    outs = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
+  finally:
+    for p in procs:  # bounded: kill a worker left waiting for its peer
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+  assert "2 process(es), 4 device(s)" in outs[0]
+  got, want = losses(tmp_path), losses(reference)
+  assert sorted(got) == list(range(1, 25))
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=2e-5)
+  step, params = final_params(tmp_path)
+  assert step == 24
+  for a, b in zip(params, final_params(reference, 24)[1], strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+# --- pieces ------------------------------------------------------------------------------
+
+
+def dot_flops(jaxpr) -> int:
+  """2 x multiply-adds of every dot_general in ``jaxpr`` (sub-jaxprs included, scans x length)."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
+    times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        total += times * dot_flops(inner)
+  return int(total)
+
+
+def abstract_model(cfg, dtype=None):
+  """The model's structure and parameter shapes (nothing computed: no compile)."""
+  built = step.make_model(
+    cfg, dtype, 0, step.sharding_rule(step.make_mesh(jax.devices()[:1]), False)
+  )
+  return built.graphdef, built.abstract
+
+
+@pytest.mark.parametrize("seq_len", [32, 128])
+def test_flop_count_matches_the_programs(seq_len):
+  """The formula against the jaxpr's matmuls (exactly, forward and training) and XLA's count
+  (which adds LayerNorm, GELU and softmax: a few percent more)."""
+  cfg = pmodel.bert_config("tiny", 2048)
+  graphdef, params = abstract_model(cfg)
+  rng = np.random.default_rng(0)
+  seqs = rng.integers(5, 2048, (3, seq_len)).astype(np.int32)
+  batch = data.mask_tokens(seqs, rng, mask_id=4, vocab_size=2048)
+  forward = lambda p: model.loss_fn(graphdef, p, batch)
+  want = 3 * pmodel.forward_flops(cfg, seq_len, data.num_predictions(seq_len))
+  assert dot_flops(jax.make_jaxpr(forward)(params).jaxpr) == want
+  assert dot_flops(jax.make_jaxpr(jax.grad(forward))(params).jaxpr) == 3 * want
+  assert 3 * pmodel.train_flops(cfg, seq_len, data.num_predictions(seq_len)) == 3 * want
+  cost = jax.jit(forward).lower(params).cost_analysis()
+  assert want <= cost["flops"] <= 1.1 * want
+  assert pmodel.parameter_count(cfg) == sum(np.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def test_mfu_and_trust_ratio_quantiles():
+  ratios = np.array([0.5, 2.0, 1.0, 4.0, 3.0])
+  raw = {"loss": 2.0, "grad_norm": 1.5, "trust_ratios": ratios}
+  raw["lr"] = 1e-3
+  out = metrics.summarize(raw, tokens=8000, seconds=2.0, flops=4e12, devices=4, peak=1e12)
+  assert out["tokens_per_s_per_device"] == 1000.0 and out["mfu"] == 0.5
+  assert [out[f"trust_ratio/q{q}"] for q in ("00", "50", "100")] == [0.5, 2.0, 4.0]
+  assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12
+  assert metrics.peak_flops("cpu") is None and metrics.peak_flops("cpu", 2.0) == 2e12
+
+
+def test_batches_are_a_function_of_seed_phase_and_step():
+  corpus = pdata.Corpus(np.arange(5, 5 + 32 * 10, dtype=np.int32) % 50 + 5, 60, 4, "x")
+  a = pdata.Stream(corpus, seq_len=32, batch=4, seed=0, phase=0)
+  b = pdata.Stream(corpus, seq_len=32, batch=4, seed=0, phase=0)
+  for t in (3, 0, 7):  # any order: no state carried from one step to the next
+    for x, y in zip(a.batch(t), b.batch(t), strict=True):
+      np.testing.assert_array_equal(x, y)
+  epoch = np.concatenate([a.rows(s) for s in range(5)])  # 20 rows: two epochs of 10
+  assert sorted(epoch[:10]) == list(range(10)) and sorted(epoch[10:]) == list(range(10))
+  other = pdata.Stream(corpus, seq_len=32, batch=4, seed=1, phase=0)
+  assert not np.array_equal(a.batch(0).inputs, other.batch(0).inputs)
+
+
+def test_settings_and_square_root_scaling():
+  cfg = config.override(config.PRESETS["large"], [("phase1.batch", 16384), ("seed", 3)])
+  assert cfg.phases[0].peak_lr == pytest.approx(6e-3 / 2) and cfg.seed == 3
+  assert cfg.phases[1].peak_lr == 4e-3
+  assert cfg.phases[0].accumulation(8) == 16384 // (64 * 8)
+  assert config.PRESETS["smoke"].phases[0].accumulation(8) == 1  # 4 per device
+  with pytest.raises(ValueError, match="micro"):
+    config.PRESETS["smoke"].phases[0].accumulation(3)
+  assert config.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+  args = cli.parse_args(
+    ["--opt", "timm_lamb", "--opt-arg", "betas=(0.9, 0.98)", "--set", "phases=1"]
+  )
+  cfg = cli.run_config(args)
+  assert cfg.opt_args == (("betas", (0.9, 0.98)),) and len(cfg.phases) == 1
+
+
+@pytest.mark.parametrize("name", optim.NAMES)
+def test_every_optimizer_by_name(name):
+  params = {"kernel": np.ones((4, 3), np.float32), "bias": np.zeros(3, np.float32)}
+  tx = optim.build(name, lambda t: 1e-3, {})
+  state = tx.init(params)
+  grads = {"kernel": np.full((4, 3), 0.1, np.float32), "bias": np.full(3, 0.1, np.float32)}
+  updates, _ = fast_compile.jit(tx.update)(grads, state, params)
+  assert all(np.isfinite(u).all() for u in jax.tree.leaves(updates))
+  assert optim.has_trust_ratios(tx, params) == (name != "adamw")
+  with pytest.raises(TypeError):
+    optim.build(name, lambda t: 1e-3, {"no_such_option": 1})
+
+
+def test_bench_skips_without_a_gpu(tmp_path):
+  assert bench.gpu_missing() == "backend is cpu"
+  assert bench.main(["--require-gpu", "--json", str(tmp_path / "b.json")]) == 0
+  assert json.loads((tmp_path / "b.json").read_text())["skipped"] == "backend is cpu"
+
+
+def test_bf16_compute_keeps_float32_params_and_loss():
+  cfg = model.BertConfig(vocab_size=256, hidden=32, layers=1, heads=2, mlp=64, max_len=32)
+  graphdef, params = abstract_model(cfg, jnp.bfloat16)
+  rng = np.random.default_rng(0)
+  batch = data.mask_tokens(rng.integers(5, 256, (2, 32)).astype(np.int32), rng, mask_id=4,
+                           vocab_size=256)  # fmt: skip
+  forward = lambda p: model.loss_fn(graphdef, p, batch)
+  loss_and_grads = jax.value_and_grad(forward)
+  jaxpr = jax.make_jaxpr(forward)(params).jaxpr  # every matmul of the forward pass in bf16
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.02, a.shape), a.dtype), params)
+  loss, grads = fast_compile.jit(loss_and_grads)(params)
+  assert loss.dtype == jnp.float32 and np.isfinite(loss)
+  assert {x.dtype for x in jax.tree.leaves((params, grads))} == {np.dtype(np.float32)}
+
+
+def test_corpus_with_a_trained_or_a_given_vocabulary(tmp_path, corpus):
+  """No --vocab: a WordPiece trained on the corpus, kept for the restarts; a BERT vocab.txt
+  gives the ids of the tokenizers JSON it was written from."""
+  trained = pdata.load_corpus([corpus], vocab_size=300, out_dir=str(tmp_path))
+  assert trained.vocab_size == 300 and (tmp_path / pdata.TOKENIZER_FILE).exists()
+  again = pdata.load_corpus([corpus], vocab_size=300, out_dir=str(tmp_path))
+  assert again.fingerprint == trained.fingerprint
+  vocab = json.loads(open(VOCAB).read())["model"]["vocab"]
+  (tmp_path / "vocab.txt").write_text("\n".join(sorted(vocab, key=vocab.get)) + "\n")
+  from_txt = pdata.load_corpus([corpus], vocab=str(tmp_path / "vocab.txt"))
+  from_json = pdata.load_corpus([corpus], vocab=VOCAB)
+  np.testing.assert_array_equal(from_txt.ids, from_json.ids)
+  assert from_json.mask_id == vocab["[MASK]"] and from_json.model_vocab == 2048
+
+
+def test_a_checkpoint_of_another_run_is_refused():
+  cfg = config.PRESETS["smoke"].to_json()
+  meta = {"config": cfg, "corpus": "abc"}
+  checkpoint.check_resumable(meta, {**cfg, "log_every": 1, "checkpoint_every": 2}, "abc")
+  with pytest.raises(SystemExit, match="seed"):
+    checkpoint.check_resumable(meta, {**cfg, "seed": 1}, "abc")
+  with pytest.raises(SystemExit, match="corpus"):
+    checkpoint.check_resumable(meta, cfg, "abd")
