@@ -207,16 +207,33 @@ def scale_by_step_size(u, step_size: Scalar, dtype) -> jax.Array:
   return (jnp.asarray(step_size, u.dtype) * u).astype(dtype)
 
 
+def kept(new: jax.Array, old: Any, s: StepScalars) -> jax.Array:
+  """`new`, or `old` where the step is skipped (``s.take`` 0): selected where it is written, so a
+  skipped step leaves every buffer bit-identical at no memory cost."""
+  if s.take is None:
+    return new
+  return jnp.where(jnp.asarray(s.take) != 0, new, jnp.asarray(old, new.dtype))
+
+
+def stored(moment: jax.Array, old: jax.Array, s: StepScalars) -> jax.Array:
+  """A moment computed in the compute dtype, as stored in `old`'s dtype (kept where skipped)."""
+  return kept(moment.astype(old.dtype), old, s)
+
+
 def update(
   u, p, ratio, o: LambOptions, s: StepScalars, *, apply: bool, decay: bool = False
 ) -> jax.Array:
   """-lr r u in p's dtype (the update), or p - lr r u with `apply`; `ratio` None: not adapted.
 
-  Where the leaf decays with placement "params", the update also shrinks p by wd p.
+  Where the leaf decays with placement "params", the update also shrinks p by wd p. A
+  skipped step gives a zero update (p itself with `apply`).
   """
   if ratio is not None:
     u = scale_by_ratio(u, ratio)
+  if not apply:  # zeroed before the step size: the caller's p + lr u stays one fused multiply-add
+    u = kept(u, 0, s)
   u = scale_by_step_size(u, s.step_size, p.dtype)
   if _decays_in(o, decay, "params"):
-    u = (u.astype(compute_dtype(p.dtype)) - param_decay(p, s)).astype(p.dtype)
-  return jnp.asarray(p + u).astype(p.dtype) if apply else u
+    shrink = param_decay(p, s) if apply else kept(param_decay(p, s), 0, s)
+    u = (u.astype(compute_dtype(p.dtype)) - shrink).astype(p.dtype)
+  return kept(jnp.asarray(p + u).astype(p.dtype), p, s) if apply else u

@@ -63,11 +63,7 @@ def with_master_weights(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params) -> Any:
-    # A copy even for float32 params: the master must not share a buffer that the
-    # caller may donate.
-    master = jax.tree.map(
-      lambda p: jnp.array(p, _master_dtype(jnp.result_type(p), dtype), copy=True), params
-    )
+    master = master_copy(params, dtype)
     return MasterWeightsState(master=master, inner_state=inner.init(master))
 
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
@@ -76,14 +72,24 @@ def with_master_weights(
     grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.master)
     steps, inner_state = inner.update(grads, state.inner_state, state.master, **extra_args)
     master = optax.apply_updates(state.master, steps)
-
-    def delta(m, p) -> jax.Array:
-      target = m.astype(p.dtype).astype(m.dtype)
-      return (target - p.astype(m.dtype)).astype(p.dtype)
-
     return jax.tree.map(delta, master, params), MasterWeightsState(master, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def master_copy(params: Any, dtype: Any = jnp.float32) -> Any:
+  """The master weights of `params`: a copy in `dtype` (or wider), even for float32 params, so
+  the master shares no buffer the caller may donate."""
+  return jax.tree.map(
+    lambda p: jnp.array(p, _master_dtype(jnp.result_type(p), dtype), copy=True), params
+  )
+
+
+def delta(m: jax.Array, p: jax.Array) -> jax.Array:
+  """The update of a low-precision param `p` towards its master `m`: lowp(lowp(m) - p), the
+  difference taken in the master's dtype."""
+  target = m.astype(p.dtype).astype(m.dtype)
+  return (target - p.astype(m.dtype)).astype(p.dtype)
 
 
 def master_weights(opt_state: Any) -> Any:

@@ -109,6 +109,7 @@ class StepScalars(NamedTuple):
   min_norm: Scalar = 0.0  # floor of both norms (optax's safe_norm)
   trust_coefficient: Scalar = 1.0  # gamma, multiplies the clamped ratio
   ratio_eps: Scalar = 0.0  # added to ||u|| in the ratio's denominator
+  take: Scalar | None = None  # the step is applied (non-zero) or skipped (0); None: always applied
 
 
 def is_constant(value: Any) -> bool:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _leaf, _options, _ratios
+from optax_lamb import _checks, _leaf, _options, _ratios, _skip
 from optax_lamb._options import LambConfig, LambOptions, StepScalars
 from optax_lamb._ratios import RatioLayout
 
@@ -119,6 +119,21 @@ class StepResult(NamedTuple, Generic[T]):
   ratios: T
 
 
+class SkipRule(NamedTuple):
+  """Skipping (lamb's ``skip_nonfinite``): the skipped steps in a row so far, and how many in a
+  row are let through (None: none)."""
+
+  consecutive: jax.Array
+  max_errors: int | None
+
+
+class Skipping(NamedTuple):
+  """A step's skip decision: the gradients were fine, and the count of skipped steps in a row."""
+
+  ok: jax.Array
+  consecutive: jax.Array
+
+
 class StepPlan(NamedTuple):
   """Everything one step computes from, for every backend: ``(options, scalars, leaves)``."""
 
@@ -129,6 +144,7 @@ class StepPlan(NamedTuple):
   treedef: Any  # of the params
   count: Any = None  # the step number t of this update (1-based)
   parts: LambStateParts | None = None  # the state the step starts from
+  skipping: Skipping | None = None  # with a SkipRule: the decision (also in scalars.take)
 
   @property
   def adapted_slots(self) -> list[bool]:
@@ -172,10 +188,13 @@ def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: l
   return scalars, count, decay_state, lr_state
 
 
-def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> StepPlan:
+def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
+              rule: SkipRule | None = None) -> StepPlan:  # fmt: skip
   """The plan of one update of `state` by `grads` (in the compute dtype) at `params`.
 
   The caller has checked the state against ``init(params)`` (structure, shapes, layout).
+  With a skip `rule`, a step whose clipped gradients are not finite or would overflow a
+  second moment in its dtype is skipped (``scalars.take``), unless the rule lets it through.
   """
   per_leaf, parts = config.per_leaf, LambStateParts(*state)
   names = _checks.resolve_axis_names(per_leaf.axis_name, params)
@@ -203,8 +222,37 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any) -> Step
     )
     for i, p in enumerate(ps)
   )
+  skipping = None
+  if rule is not None:
+    ok = _skip.gradients_ok(gs, scalars.clip_factor, _overflow_limits(config, vs), names)
+    consecutive, take = _skip.decide(ok, rule.consecutive, rule.max_errors)
+    scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)
   parts = parts._replace(decay=decay_state, learning_rate=lr_state)
-  return StepPlan(config.options, scalars, leaves, layout, treedef, count, parts)
+  return StepPlan(config.options, scalars, leaves, layout, treedef, count, parts, skipping)
+
+
+def _overflow_limits(config: LambConfig, nus: list) -> list[float]:
+  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype."""
+  return [_skip.overflow_threshold(config.options.nu_dtype or v.dtype) for v in nus]
+
+
+def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
+  """lamb's own skip rule as a function of (grads, params), for the wrapper around the chain of
+  stages or the master weights: what `plan_step` decides with a `SkipRule` (the moments in
+  the params' dtype, or the master's with `master_weights`)."""
+
+  def ok(grads: Any, params: Any) -> jax.Array:
+    names = _checks.resolve_axis_names(config.per_leaf.axis_name, params)
+    leaves = [_leaf.to_compute_dtype(g) for g in jax.tree.leaves(grads)]
+    factor = None
+    if config.hyper.max_grad_norm is not None:
+      norm = _ratios.global_norm(leaves, names)
+      factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
+    dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
+    nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
+    return _skip.gradients_ok(leaves, factor, _overflow_limits(config, nus), names)
+
+  return ok
 
 
 def leaf_arrays(plan: StepPlan, grads: Any, params: Any) -> list[LeafArrays]:
@@ -215,10 +263,23 @@ def leaf_arrays(plan: StepPlan, grads: Any, params: Any) -> list[LeafArrays]:
   return [LeafArrays(*arrays) for arrays in zip(*columns, strict=True)]
 
 
-def next_state(plan: StepPlan, result: StepResult) -> tuple:
-  """lamb's state after the step, from the backend's new moments and ratio vector."""
+def next_state(plan: StepPlan, result: StepResult, state: tuple) -> tuple:
+  """lamb's state after the step from `state`, from the backend's new moments and ratio vector
+  (which a skipped step already kept); the counts and ratios kept where it was skipped."""
   unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
   adam = optax.ScaleByAdamState(count=plan.count, mu=unflatten(result.mu), nu=unflatten(result.nu))
   ratio_state = ScaleByTrustRatioState.after_step(result.ratios, plan.layout)
   assert plan.parts is not None
-  return tuple(plan.parts._replace(adam=adam, trust_ratio=ratio_state))
+  new = plan.parts._replace(adam=adam, trust_ratio=ratio_state)
+  if plan.scalars.take is not None:
+    old = LambStateParts(*state)
+    new = new._replace(
+      adam=adam._replace(count=_leaf.kept(adam.count, old.adam.count, plan.scalars)),
+      **{
+        part: jax.tree.map(
+          lambda n, o: _leaf.kept(n, o, plan.scalars), getattr(new, part), getattr(old, part)
+        )  # fmt: skip
+        for part in ("decay", "trust_ratio", "learning_rate")
+      },
+    )
+  return tuple(new)

@@ -38,10 +38,13 @@ DOWN, UP = 2.0**-80, 2.0**64
 SCALES = (1.0, DOWN, UP)  # the three sums of one norm, in `norm_from_sums`'s order
 
 
-def squares(x: jax.Array, scale: float = 1.0) -> jax.Array:
-  """(x s)^2 in the compute dtype: the term of every sum of squares of the package."""
+def squares(x: jax.Array, scale: Any = 1.0) -> jax.Array:
+  """(x s)^2 in the compute dtype: the term of every sum of squares of the package; `scale` a
+  number or an array that broadcasts against x's leading (stacked) axes."""
   x = x.astype(compute_dtype(x.dtype))
-  return jnp.square(x * scale if scale != 1.0 else x)
+  if isinstance(scale, float) and scale == 1.0:
+    return jnp.square(x)
+  return jnp.square(x * _leaf.broadcast_ratio(jnp.asarray(scale, x.dtype), x))
 
 
 def sq_norm(x: jax.Array, stacked_axes: int = 0) -> jax.Array:
@@ -49,38 +52,74 @@ def sq_norm(x: jax.Array, stacked_axes: int = 0) -> jax.Array:
   return jnp.sum(squares(x), axis=tuple(range(stacked_axes, jnp.ndim(x))))
 
 
+# Blocks of a leaf's sums of squares: each sum's accumulator is about 1/PARTIALS of the leaf, the
+# only temporary of a step's norms (benchmarks/NOTES.md, "Memory"); rows stay long enough to
+# vectorise.
+PARTIALS = 1024
+
+
+def block_count(length: int, target: int) -> int | None:
+  """A number of blocks near `target` that divides `length` into blocks of even length, or None.
+
+  XLA:CPU keeps the inputs' producers inside the blocked reduction only for blocks of
+  even length; an uneven split (a tail) would give the producer two consumers, and XLA
+  would then write it to memory.
+  """
+  fits = [b for b in range(target // 2, 2 * target + 1) if length % b == 0 and length // b % 2 == 0]
+  return min(fits, key=lambda b: (abs(b - target), -b)) if fits else None
+
+
+def _add(a: tuple, b: tuple) -> tuple:
+  return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
 def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
-                 partial_count: int = 16) -> tuple[jax.Array, ...]:  # fmt: skip
+                 partial_count: int = PARTIALS) -> tuple[jax.Array, ...]:  # fmt: skip
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
-  Each array is viewed as `partial_count` contiguous blocks; one reduction adds
-  the blocks together element by element for every sum at once (a vectorised
-  loop that evaluates the inputs' producers, e.g. the LAMB direction, once), then
-  the block-sized partial sums are added up. Small leaves, and leaves whose size
-  `partial_count` does not divide, take one plain reduction per sum.
+  Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count`
+  contiguous blocks (`block_count`); one reduction adds the blocks together element by
+  element for every sum at once (a vectorised loop that evaluates the inputs' producers,
+  e.g. the LAMB direction, once), then the block-sized partial sums are added up. Slices
+  too short or that no such blocks divide take one reduction over the slice for all sums
+  at once; `partial_count` 1, a plain reduction per sum (for inputs already in memory).
   """
-  shape = jnp.shape(xs[0])
-  lead, size = shape[:stacked_axes], math.prod(shape[stacked_axes:])
-  axes = tuple(range(stacked_axes, len(shape)))
   terms = [squares(x, s) for x in xs for s in scales]
-  if partial_count == 1 or size < 64 * partial_count or size % partial_count:
+  return _sums_of(terms, stacked_axes, partial_count)
+
+
+def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int) -> tuple:
+  """Each term summed over all but its first `stacked_axes` axes (see `leaf_sq_sums`).
+
+  One reduction for several terms: XLA:CPU hands a lone sum to a library whose inputs
+  must be in memory (its runtime scalars broadcast to the leaf's shape, for one).
+  """
+  shape = jnp.shape(terms[0])
+  lead, length = shape[:stacked_axes], math.prod(shape[stacked_axes:])
+  axes = tuple(range(stacked_axes, len(shape)))
+  if partial_count == 1:
     return tuple(jnp.sum(q, axis=axes) for q in terms)
-  blocks = [q.reshape(lead + (partial_count, size // partial_count)) for q in terms]
-  zeros = tuple(jnp.zeros((), q.dtype) for q in blocks)
-  partials = jax.lax.reduce(
-    tuple(blocks), zeros, lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)),
-    (len(lead),),
-  )  # fmt: skip
+  zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
+  blocks = block_count(length, partial_count) if length >= 64 * partial_count else None
+  if blocks is None:
+    return tuple(jax.lax.reduce(tuple(terms), zeros, _add, axes))
+  rows = [jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms]
+  partials = jax.lax.reduce(tuple(rows), zeros, _add, (len(lead),))
   return tuple(jnp.sum(q, axis=-1) for q in partials)
 
 
-def scaled_sq_sums(p: jax.Array, u: jax.Array, stacked_axes: int = 0) -> tuple[jax.Array, ...]:
-  """(p down, p up, u down, u up): the rare path's sums at `SCALES`' other scales, in one pass.
+def rescue_scale(plain: jax.Array) -> jax.Array:
+  """The scale of the sum that replaces a `suspect` plain one: `DOWN` where it overflowed, else
+  `UP`."""
+  return jnp.where(jnp.isinf(plain), DOWN, UP).astype(plain.dtype)
 
-  In 256 blocks, not 16: XLA reserves the memory of a branch it may never run,
-  and the block-sized partial sums then take 1/256 of p and u (4 sums), not 1/16.
-  """
-  return leaf_sq_sums(p, u, stacked_axes=stacked_axes, scales=SCALES[1:], partial_count=256)
+
+def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.Array,
+                   stacked_axes: int = 0) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+  """The rare path's sums of (p s_p)^2 and (u s_u)^2 (`rescue_scale` of the plain sums, one per
+  slice), in one reduction, u's computation inside it."""
+  terms = [squares(p, p_scale), squares(u, u_scale)]
+  return _sums_of(terms, stacked_axes, PARTIALS)
 
 
 def block_sq_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
@@ -103,11 +142,16 @@ def suspect(sq: jax.Array) -> jax.Array:
   return jnp.logical_or(sq < SMALL_SQUARED_NORM, jnp.isinf(sq))
 
 
-def norm_from_sums(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-  """||x|| from its sums of squares at `SCALES`: the plain one where it is right (`suspect`
-  says where not), else the scaled one that is; finite derivatives throughout."""
-  scaled = jnp.where(jnp.isinf(plain), safe_sqrt(down) / DOWN, safe_sqrt(up) / UP)
-  return jnp.where(suspect(plain), scaled, safe_sqrt(plain))
+def norm_from_sums(plain: jax.Array, scaled: jax.Array) -> jax.Array:
+  """||x|| from its plain sum of squares where it is right (`suspect` says where not), else from
+  its sum at `rescue_scale(plain)`; finite derivatives throughout."""
+  rescued = safe_sqrt(scaled) / rescue_scale(plain)
+  return jnp.where(suspect(plain), rescued, safe_sqrt(plain))
+
+
+def chosen(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
+  """Of a sum's values at `DOWN` and `UP`, the one `norm_from_sums` takes (`rescue_scale`)."""
+  return jnp.where(jnp.isinf(plain), down, up)
 
 
 def needs_rescue(param_sq: jax.Array, update_sq: jax.Array, adapted: Sequence[bool]) -> jax.Array:
@@ -256,8 +300,7 @@ def _replicated(x: jax.Array) -> jax.Array:
 
 
 class SlotSums(NamedTuple):
-  """Per ratio slot, psum'd: ||p||^2 and ||u||^2, and maybe at the other `SCALES` (p down, p up,
-  u down, u up)."""
+  """Per ratio slot, psum'd: ||p||^2 and ||u||^2, and maybe their sums at `rescue_scale`."""
 
   param: jax.Array
   update: jax.Array
@@ -274,11 +317,11 @@ def slot_sums(layout: RatioLayout, names: Sequence[Any], param_sq: Sequence[jax.
 
 
 def with_scaled_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[Any],
-                     scaled: Sequence[Sequence[jax.Array]]) -> SlotSums:  # fmt: skip
-  """`sums` with the scaled ones: per-leaf lists (p down, p up, u down, u up), summed alike."""
+                     p_scaled: Sequence[jax.Array], u_scaled: Sequence[jax.Array]) -> SlotSums:  # fmt: skip
+  """`sums` with the per-leaf sums at `rescue_scale` (stacked shapes), summed alike."""
   n = len(names)
-  flat = psum_by_name([x for part in scaled for x in part], list(names) * len(scaled))
-  return sums._replace(scaled=tuple(layout.join(flat[i * n : (i + 1) * n]) for i in range(4)))
+  flat = psum_by_name([*p_scaled, *u_scaled], list(names) * 2)
+  return sums._replace(scaled=(layout.join(flat[:n]), layout.join(flat[n:])))
 
 
 def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax.Array:
@@ -287,7 +330,7 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax
   if sums.scaled is None:
     norms = (safe_sqrt(sums.param), safe_sqrt(sums.update))
   else:
-    p_down, p_up, u_down, u_up = sums.scaled
-    norms = (norm_from_sums(sums.param, p_down, p_up), norm_from_sums(sums.update, u_down, u_up))
+    p_scaled, u_scaled = sums.scaled
+    norms = (norm_from_sums(sums.param, p_scaled), norm_from_sums(sums.update, u_scaled))
   ratio = _leaf.trust_ratio(*norms, s)
   return jnp.where(np.asarray(adapted, bool), ratio, jnp.ones_like(ratio))

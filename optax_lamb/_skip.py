@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios
@@ -36,10 +38,58 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     (jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(tree)),
     jnp.zeros((), jnp.int32),
   )
-  names: set[str] = set()
-  for name in _checks.resolve_axis_names(axis_name, tree):
-    names.update((name,) if isinstance(name, str) else (name or ()))
-  return _ratios.psum_if(bad, tuple(sorted(names)) or None) == 0
+  return _agreed(bad, _checks.resolve_axis_names(axis_name, tree)) == 0
+
+
+def _agreed(bad: jax.Array, names: list) -> jax.Array:
+  """The count `bad` summed over every axis any leaf is sharded on: all devices decide alike."""
+  axes: set[str] = set()
+  for name in names:
+    axes.update((name,) if isinstance(name, str) else (name or ()))
+  return _ratios.psum_if(bad, tuple(sorted(axes)) or None)
+
+
+def overflow_threshold(dtype: Any) -> float:
+  """The largest |g| whose square, and so every second moment averaged from it, is finite when
+  stored in `dtype`: sqrt of its largest value (1.8e19 for float32 and bfloat16, 255.9 for
+  float16)."""
+  return float(np.sqrt(float(jnp.finfo(jnp.dtype(dtype)).max)))
+
+
+def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list) -> jax.Array:
+  """Whether every gradient times the clip `factor` is finite and below its leaf's second
+  moment's `overflow_threshold`: the largest |g| of each leaf, one reduction over the
+  gradients, agreed over the mapped axes (a NaN counts as too large)."""
+  bad = jnp.zeros((), jnp.int32)
+  for g, limit in zip(grads, thresholds, strict=True):
+    peak, nan = _peak(g)
+    if factor is not None:
+      peak = peak * factor
+    bad = bad + jnp.logical_or(nan, jnp.logical_not(peak < limit)).astype(jnp.int32)
+  return _agreed(bad, names) == 0
+
+
+def _peak(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(max |g|, whether g holds a NaN), in one reduction: XLA:CPU hands a lone max to a library
+  that reads its input from memory, g's |.| written out first."""
+  axes = tuple(range(g.ndim))
+  init = (jnp.zeros((), g.dtype), jnp.zeros((), jnp.bool_))
+  combine = lambda a, b: (jnp.maximum(a[0], b[0]), jnp.logical_or(a[1], b[1]))
+  return jax.lax.reduce((jnp.abs(g), jnp.isnan(g)), init, combine, axes)
+
+
+def decide(ok: jax.Array, consecutive: jax.Array, max_errors: int | None) -> tuple:
+  """(the new count of skipped steps in a row, whether this step is applied)."""
+  consecutive = jnp.where(ok, 0, optax.safe_increment(consecutive))
+  if max_errors is None:
+    return consecutive, ok
+  return consecutive, jnp.logical_or(ok, consecutive > max_errors)
+
+
+def initial_state(inner_state: Any) -> SkipNonFiniteState:
+  # Two arrays, not one twice: a donated state must not hold a buffer twice.
+  zeros = lambda: jnp.zeros([], jnp.int32)
+  return SkipNonFiniteState(total=zeros(), consecutive=zeros(), inner_state=inner_state)
 
 
 def skip_nonfinite(
@@ -81,16 +131,21 @@ def skip_nonfinite(
   if max_consecutive_errors is not None:
     _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
   _check_args.check_bool("check_results", check_results)
-  inner = optax.with_extra_args_support(inner)
-  max_errors = max_consecutive_errors
+  return skipping(inner, axis_name, max_consecutive_errors, check_results)
 
-  def init_fn(params) -> Any:
-    # Two arrays, not one twice: a donated state must not hold a buffer twice.
-    return SkipNonFiniteState(
-      total=jnp.zeros([], jnp.int32),
-      consecutive=jnp.zeros([], jnp.int32),
-      inner_state=inner.init(params),
-    )
+
+GradsOk = Callable[[Any, Any], jax.Array]  # (grads, params) -> whether the step may be taken
+
+
+def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: int | None,
+             check_results: bool, grads_ok: GradsOk | None = None,
+             ) -> optax.GradientTransformationExtraArgs:  # fmt: skip
+  """`skip_nonfinite` with checked arguments; `grads_ok` decides from the gradients in place of
+  their finiteness (lamb's own skip: `optax_lamb._plan.gradients_ok`)."""
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: Any) -> SkipNonFiniteState:
+    return initial_state(inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     if not isinstance(state, SkipNonFiniteState):
@@ -101,8 +156,8 @@ def skip_nonfinite(
       )
     if check_results:
       return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors)
-    finite = all_finite(updates, axis_name)
-    consecutive, take = _decide(finite, state, max_errors)
+    ok = all_finite(updates, axis_name) if grads_ok is None else grads_ok(updates, params)
+    consecutive, take = decide(ok, state.consecutive, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
 
@@ -116,17 +171,9 @@ def skip_nonfinite(
     new_updates, new_inner = jax.lax.cond(
       take, apply, skip, updates, state.inner_state, params, arrays
     )
-    return new_updates, _counted(state, finite, consecutive, new_inner)
+    return new_updates, counted(state, ok, consecutive, new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _decide(finite: jax.Array, state: SkipNonFiniteState, max_errors: int | None) -> tuple:
-  """The new count of non-finite steps in a row, and whether this step is applied."""
-  consecutive = jnp.where(finite, 0, optax.safe_increment(state.consecutive))
-  if max_errors is None:
-    return consecutive, finite
-  return consecutive, jnp.logical_or(finite, consecutive > max_errors)
 
 
 def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, params: Any,
@@ -134,7 +181,7 @@ def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, param
   """`check_results`: the step computed first, then kept only where all of it is finite."""
   new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
   finite = all_finite((updates, new_updates, new_inner), axis_name)
-  consecutive, take = _decide(finite, state, max_errors)
+  consecutive, take = decide(finite, state.consecutive, max_errors)
   new_updates, new_inner = jax.lax.cond(
     take,
     lambda taken, kept: taken,
@@ -142,10 +189,10 @@ def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, param
     (new_updates, new_inner),
     state.inner_state,
   )
-  return new_updates, _counted(state, finite, consecutive, new_inner)
+  return new_updates, counted(state, finite, consecutive, new_inner)
 
 
-def _counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNonFiniteState:
+def counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNonFiniteState:
   return SkipNonFiniteState(
     total=jnp.where(finite, state.total, optax.safe_increment(state.total)),
     consecutive=consecutive,

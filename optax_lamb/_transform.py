@@ -19,21 +19,53 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _interop, _leaf, _options, _plan, _reference, _registry
+from optax_lamb import (
+  _check_args,
+  _checks,
+  _interop,
+  _leaf,
+  _options,
+  _plan,
+  _reference,
+  _registry,
+  _skip,
+)
 from optax_lamb._loss_scale import UnscaleGradientsState, check_grad_scale
-from optax_lamb._mixed_precision import with_master_weights
+from optax_lamb._mixed_precision import MasterWeightsState, delta, master_copy, with_master_weights
 from optax_lamb._options import LambConfig
-from optax_lamb._skip import skip_nonfinite as skipping
 
 Step = Callable[..., tuple[Any, Any]]  # (grads, state, params, *, apply) -> (out, state)
 
 
-def _fused_step(config: LambConfig, implementation: _registry.Implementation) -> Step:
-  def step(grads: Any, state: tuple, params: Any, *, apply: bool) -> tuple[Any, tuple]:
-    plan = _plan.plan_step(config, grads, state, params)
-    leaves = _plan.leaf_arrays(plan, grads, params)
-    result = _registry.step(implementation, plan, leaves, apply=apply)
-    return jax.tree.unflatten(plan.treedef, result.out), _plan.next_state(plan, result)
+def _fused_step(config: LambConfig, implementation: _registry.Implementation, skipping: bool,
+                master: bool) -> Step:  # fmt: skip
+  """A planned step on the registry's backend, and lamb's own wrappers around it in the state
+  they give (`SkipNonFiniteState` outside `MasterWeightsState`): the skip decided before the
+  step, which then keeps every buffer where it is skipped; the step run on the master weights,
+  written in place, and the params' update taken towards them."""
+
+  def step(grads: Any, state: Any, params: Any, *, apply: bool) -> tuple[Any, Any]:
+    inner = state.inner_state if skipping else state
+    lamb_state, on = (inner.inner_state, inner.master) if master else (inner, params)
+    if master:
+      grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, on)
+    rule = _plan.SkipRule(state.consecutive, None) if skipping else None
+    plan = _plan.plan_step(config, grads, lamb_state, on, rule)
+    result = _registry.step(
+      implementation, plan, _plan.leaf_arrays(plan, grads, on), apply=apply and not master
+    )
+    out, new_inner = (
+      jax.tree.unflatten(plan.treedef, result.out),
+      _plan.next_state(plan, result, lamb_state),
+    )
+    if master:  # out is the master's update (0 where skipped), applied as with_master_weights does
+      new_master = optax.apply_updates(on, out)
+      new_inner = MasterWeightsState(new_master, new_inner)
+      out = jax.tree.map(lambda m, p: _leaf.kept(delta(m, p), 0, plan.scalars), new_master, params)
+      out = optax.apply_updates(params, out) if apply else out
+    if plan.skipping is None:
+      return out, new_inner
+    return out, _skip.counted(state, *plan.skipping, new_inner)
 
   return step
 
@@ -64,30 +96,49 @@ def build(
   )
   config = config._replace(hyper=hyper)
   chain = _reference.chain(config)
-  if implementation == "reference":
-    lamb_step: Step = lambda g, s, p, *, apply: _reference.step(chain, g, s, p, apply=apply)
+  # On a backend, lamb's own skip and master weights are part of the planned step (no copy of
+  # the state, the choice fused into its writes); on the chain of stages, the wrappers.
+  fused = implementation != "reference"
+  if fused:
+    lamb_step: Step = _fused_step(config, implementation, skip_nonfinite, master_weights)
   else:
-    lamb_step = _fused_step(config, implementation)
+    lamb_step = lambda g, s, p, *, apply: _reference.step(chain, g, s, p, apply=apply)
 
   def step(grads: Any, state: Any, params: Any, *, apply: bool) -> tuple[Any, Any]:
     if grad_transform is not None:
       grads = grad_transform(grads, params)
     return lamb_step(grads, state, params, apply=apply)
 
-  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any):
     del extra_args
     return step(updates, state, params, apply=False)
 
-  tx = optax.GradientTransformationExtraArgs(chain.init, update_fn)
-  if master_weights:
+  tx = optax.GradientTransformationExtraArgs(_init(chain, fused and master_weights,
+                                                   fused and skip_nonfinite), update_fn)  # fmt: skip
+  if master_weights and not fused:
     tx = with_master_weights(tx)
-  if skip_nonfinite:
-    tx = skipping(tx, axis_name=config.per_leaf.axis_name)
-  # update_and_apply writes the new params in the last pass; with a wrapper in between it
-  # falls back to update + apply_updates.
-  fused = None if master_weights or skip_nonfinite else lambda g, s, p: step(g, s, p, apply=True)
+  if skip_nonfinite and not fused:
+    grads_ok = _plan.gradients_ok(config, master_weights)
+    tx = _skip.skipping(tx, config.per_leaf.axis_name, None, False, grads_ok)
+  # update_and_apply writes the new params in the last pass (on a backend); the chain of
+  # stages falls back to update + apply_updates.
+  fused_apply = (lambda g, s, p: step(g, s, p, apply=True)) if fused else None
   scale = _options.scalar_valued(grad_scale, "grad_scale")
-  return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused)
+  return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply)
+
+
+def _init(chain: optax.GradientTransformation, master: bool, skipping: bool) -> Callable:
+  """The init of the fused step's state: the chain's, inside lamb's own wrappers' states."""
+
+  def init(params: Any) -> Any:
+    if not master:
+      state = chain.init(params)
+    else:
+      copy = master_copy(params)
+      state = MasterWeightsState(copy, chain.init(copy))
+    return _skip.initial_state(state) if skipping else state
+
+  return init
 
 
 def with_prologue(

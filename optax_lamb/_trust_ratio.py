@@ -145,13 +145,15 @@ def _ratio_vector(us: list, ps: list, s: StepScalars, layout: RatioLayout, adapt
   sums = _ratios.slot_sums(layout, names, sq_norms(ps), sq_norms(us))
 
   def rescued() -> jax.Array:
+    p_scales, u_scales = (layout.pieces(_ratios.rescue_scale(x)) for x in sums[:2])
     scaled = [
-      _ratios.scaled_sq_sums(p, u, stacked_axes=k) if a
-      else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 4
-      for p, u, k, a in zip(ps, us, axes, adapts, strict=True)
+      _ratios.scaled_sq_sums(p, u, ps_, us_, stacked_axes=k) if a
+      else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 2
+      for p, u, ps_, us_, k, a in zip(ps, us, p_scales, u_scales, axes, adapts, strict=True)
     ]  # fmt: skip
-    parts = [list(part) for part in zip(*scaled, strict=True)]
-    return _ratios.ratio_vector(_ratios.with_scaled_sums(sums, layout, names, parts), s, adapted)
+    p_scaled, u_scaled = (list(part) for part in zip(*scaled, strict=True))
+    exact = _ratios.with_scaled_sums(sums, layout, names, p_scaled, u_scaled)
+    return _ratios.ratio_vector(exact, s, adapted)
 
   return jax.lax.cond(
     _ratios.needs_rescue(sums.param, sums.update, adapted),

@@ -27,6 +27,7 @@ and take one pass. Every formula is `optax_lamb._leaf`'s, every norm `optax_lamb
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +69,15 @@ class XlaBackend:
     sums = _ratios.slot_sums(plan.layout, names, [f.p_sq for f in firsts], [f.u_sq for f in firsts])
 
     def rescued() -> jax.Array:  # a plain sum over- or underflowed: the scaled sums, only then
+      p_scales, u_scales = (plan.layout.pieces(_ratios.rescue_scale(x)) for x in sums[:2])
       scaled = [
-        _scaled_sums(plan, leaf, x, f)
-        for leaf, x, f in zip(plan.leaves, leaves, firsts, strict=True)
+        _scaled_sums(plan, leaf, x, f, p_scale, u_scale)
+        for leaf, x, f, p_scale, u_scale in zip(
+          plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
+        )
       ]
-      parts = [list(part) for part in zip(*scaled, strict=True)]
-      exact = _ratios.with_scaled_sums(sums, plan.layout, names, parts)
+      p_scaled, u_scaled = (list(part) for part in zip(*scaled, strict=True))
+      exact = _ratios.with_scaled_sums(sums, plan.layout, names, p_scaled, u_scaled)
       return _ratios.ratio_vector(exact, plan.scalars, adapted)
 
     ratios = jax.lax.cond(
@@ -81,17 +85,17 @@ class XlaBackend:
       rescued,
       lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
     )
-    out = [
+    seconds = [
       _pass2(plan, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(
         plan.leaves, leaves, firsts, plan.layout.pieces(ratios), strict=True
       )
     ]
-    return StepResult(out, [f.m for f in firsts], [f.v for f in firsts], ratios)
+    out, mu, nu = (list(column) for column in zip(*seconds, strict=True))
+    return StepResult(out, mu, nu, ratios)
 
 
-@dataclasses.dataclass
-class _Pass1:
+class _Pass1(NamedTuple):
   m: jax.Array  # the new moments as stored
   v: jax.Array
   m_c: jax.Array  # and in the compute dtype
@@ -112,7 +116,9 @@ def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> 
 def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, materialize_max: int) -> _Pass1:
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
-  m, v = m_c.astype(x.m.dtype), v_c.astype(x.v.dtype)
+  m, v = _leaf.stored(m_c, x.m, s), _leaf.stored(v_c, x.v, s)
+  if not leaf.narrow_moments:  # u from the moments as stored (kept where skipped): the old ones
+    m_c, v_c = m, v  # are then read once, where they are overwritten (no copy)
   k = leaf.stacked_axes
   kept = None
   if o.caution:  # a reduction over the leaf before u: the kernels do not compute it
@@ -131,34 +137,62 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, materialize_max: int) 
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
 
 
-def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1) -> tuple:
-  """(p down, p up, u down, u up): the leaf's sums of squares at `_ratios.SCALES`' other scales,
-  u recomputed from pass 1's moments (one pass, like pass 1's reduction)."""
+def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale,
+                 u_scale) -> tuple:  # fmt: skip
+  """The leaf's sums of (p s_p)^2 and (u s_u)^2 (`_ratios.rescue_scale`, per slice), u recomputed
+  from the moments (one pass, like pass 1's reduction)."""
   k = leaf.stacked_axes
   if not leaf.adapt:
-    return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 4
+    return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 2
+  # Computed here from the branch's own operands: shared with pass 1, XLA would compute them
+  # outside the branch and keep them in memory for it (the shrunk params, "params" placement).
+  x, first = jax.lax.optimization_barrier((x, first))
   u = first.u
-  if u is None:
-    u = _direction(plan, leaf, x, first.m_c, first.v_c, x.p, first.kept)
+  if u is None and leaf.narrow_moments:  # from the old moments, which pass 2 overwrites later
+    m_c, v_c = _leaf.moments(x.g, x.m, x.v, plan.options, plan.scalars, p=x.p, decay=leaf.decay)
+    u = _direction(plan, leaf, x, m_c, v_c, x.p, first.kept)
+  elif u is None:  # the new moments as stored are the computed ones: no copy for the branch
+    u = _direction(plan, leaf, x, first.m, first.v, x.p, first.kept)
   p = _leaf.ratio_params(x.p, plan.options, plan.scalars, decay=leaf.decay)
-  return _ratios.scaled_sq_sums(p, u, stacked_axes=k)
+  return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k)
 
 
-def _pass2(
-  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool
-) -> jax.Array:
-  """The update (or new params) of one leaf, from the ratio and pass 1's moments."""
+def _pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *,
+           apply: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+  """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1.
+
+  Moments stored narrower than they are computed are written here, recomputed from g and
+  the old moments, not by pass 1: pass 1 only reads them, so each buffer is read and
+  written in place in one pass (u never sees their rounding).
+  """
   o, s = plan.options, plan.scalars
   p, u = x.p, first.u
+  if leaf.narrow_moments and (u is None or not leaf.adapt):
+    return _narrow_pass2(plan, leaf, x, ratio, first.kept, apply=apply)
   if not leaf.adapt:
     u = _direction(plan, leaf, x, first.m_c, first.v_c, p, first.kept)
-    return _leaf.update(u, p, None, o, s, apply=apply, decay=leaf.decay)
-  if u is None:
-    # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
-    if leaf.narrow_moments:  # recompute the moments: u must not see their rounding
-      p, g, m, v, ratio = jax.lax.optimization_barrier((p, x.g, x.m, x.v, ratio))
-      m, v = _leaf.moments(g, m, v, o, s, p=p, decay=leaf.decay)
-    else:
-      p, m, v, ratio = jax.lax.optimization_barrier((p, first.m, first.v, ratio))
-    u = _direction(plan, leaf, x, m, v, p, first.kept)
-  return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay)
+    return _leaf.update(u, p, None, o, s, apply=apply, decay=leaf.decay), first.m, first.v
+  if u is not None:
+    return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay), first.m, first.v
+  # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
+  p, m_c, v_c, ratio = jax.lax.optimization_barrier((p, first.m, first.v, ratio))
+  u = _direction(plan, leaf, x, m_c, v_c, p, first.kept)
+  return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay), first.m, first.v
+
+
+def _narrow_pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *,
+                  apply: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+  """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
+  update), the moments recomputed from g and the old ones, which pass 1 only read.
+
+  XLA:CPU computes the three in separate fusions that each read the old moments, so it
+  copies the donated moment buffers: the moments' bytes in temporaries (benchmarks/NOTES.md,
+  "Memory"). The Pallas kernels write all three in one kernel.
+  """
+  o, s = plan.options, plan.scalars
+  # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
+  x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
+  m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
+  out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
+  return out, _leaf.stored(m_c, x.m, s), _leaf.stored(v_c, x.v, s)

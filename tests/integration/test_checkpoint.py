@@ -136,6 +136,23 @@ COMMITTED = [
 ]
 
 
+# Configurations whose step was changed on purpose since the checkpoints were written:
+# skip_nonfinite with master weights decides before the step and selects in its writes (no copy
+# of the state, CHANGELOG.md), which moves XLA:CPU's fused multiply-adds: a ratio's last bit.
+STEP_CHANGED = {"skip_master_bfloat16"}
+
+
+def _assert_close(tree, saved, prefix, dtype):
+  """Every leaf of `tree` within float32 rounding of the saved one (bits read in the leaf's dtype)."""
+  for i, x in enumerate(jax.tree.leaves(tree)):
+    want = jnp.asarray(saved[f"{prefix}_{i}"]).view(x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(want, np.float64),
+                                 rtol=2e-6 if x.dtype == jnp.float32 else 1e-2, err_msg=f"{prefix}_{i}")  # fmt: skip
+    else:
+      np.testing.assert_array_equal(x, want, err_msg=f"{prefix}_{i}")
+
+
 @pytest.mark.parametrize("form", ["orbax", "flax"])
 @pytest.mark.parametrize("commit,config", COMMITTED)
 def test_a_committed_checkpoint_restores_and_steps_bit_identically(commit, config, form):
@@ -160,5 +177,9 @@ def test_a_committed_checkpoint_restores_and_steps_bit_identically(commit, confi
   _assert_bits(state, saved, "state")
   _assert_bits(grads[MAKER.STEPS], saved, "grads")
   next_params, next_state = MAKER.step_fn(tx)(params, state, grads[MAKER.STEPS])
-  _assert_bits(next_params, saved, "next_params")
-  _assert_bits(next_state, saved, "next_state")
+  if config in STEP_CHANGED:  # restored bit for bit above; the next step to float32 rounding
+    _assert_close(next_params, saved, "next_params", dtype)
+    _assert_close(next_state, saved, "next_state", dtype)
+  else:
+    _assert_bits(next_params, saved, "next_params")
+    _assert_bits(next_state, saved, "next_state")

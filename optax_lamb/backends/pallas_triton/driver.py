@@ -173,7 +173,8 @@ class PallasTritonBackend:
     )
     names = plan.slot_names
     p_plain, p_down, p_up, u_plain, u_down, u_up = (_ratios.psum_slots(x, names) for x in sums)
-    by_slot = _ratios.SlotSums(p_plain, u_plain, (p_down, p_up, u_down, u_up))
+    chosen = (_ratios.chosen(p_plain, p_down, p_up), _ratios.chosen(u_plain, u_down, u_up))
+    by_slot = _ratios.SlotSums(p_plain, u_plain, chosen)
     return _ratios.ratio_vector(by_slot, plan.scalars, plan.adapted_slots)
 
 

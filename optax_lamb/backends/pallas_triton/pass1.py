@@ -43,7 +43,7 @@ def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, s
     # Every input of this chunk is read above, before its alias is written.
     for name, value in (("m", m), ("v", v)):
       if name in moments_out[j]:
-        common.store(moments_out[j][name], start, mask, block, value)
+        common.store(moments_out[j][name], start, mask, block, _leaf.stored(value, x[name], s))
     u = _leaf.direction(m, v, x["p"], o, s, decay=c.leaf.decay)
     p = _leaf.ratio_params(x["p"], o, s, decay=c.leaf.decay)
     sums = (*_ratios.block_sq_sums(p, mask), *_ratios.block_sq_sums(u, mask))
@@ -112,5 +112,5 @@ def reference(
     )
 
   p = _leaf.ratio_params(x["p"], o, s, decay=c.leaf.decay)
-  moments = (m_new.astype(x["m"].dtype), v_new.astype(x["v"].dtype))
+  moments = (_leaf.stored(m_new, x["m"], s), _leaf.stored(v_new, x["v"], s))
   return moments, jnp.stack((*partials(p), *partials(u)))

@@ -44,7 +44,7 @@ def _leaf_step(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratio, *
   m, v = x["m"], x["v"]
   if from_grads(leaf):
     m, v = _leaf.moments(x["g"], m, v, o, s, p=x["p"], decay=leaf.decay)
-    out["m"], out["v"] = m, v
+    out["m"], out["v"] = _leaf.stored(m, x["m"], s), _leaf.stored(v, x["v"], s)
   u = _leaf.direction(m, v, x["p"], o, s, decay=leaf.decay)
   ratio = ratio if leaf.adapt else None
   out["out"] = _leaf.update(u, x["p"], ratio, o, s, apply=apply, decay=leaf.decay)

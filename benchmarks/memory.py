@@ -1,0 +1,182 @@
+"""Memory of one donated LAMB step, from the compiler: state bytes and temporaries per parameter.
+
+    python -m benchmarks.memory [--trees bert-base bert-large] [--json PATH]
+
+For each tree and configuration (`CONFIGURATIONS`: optax.lamb, optax_lamb.lamb and its options,
+compat constructors, host offload) the step ``(params, state, grads) -> (params, state)`` is
+jitted with params and state donated, lowered on abstract arrays (nothing is allocated) and
+compiled; XLA's ``memory_analysis()`` gives its temporaries. The state's bytes come from
+``jax.eval_shape(tx.init, params)``, split by memory kind (device or host). Everything is per
+parameter and, for the temporaries, as a multiple of the params' bytes. The JSON
+(`benchmarks/results/memory.json` by default) is what docs/benchmarks.md and the README render.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+if not __package__:  # run as a file: import from the repository root, not from benchmarks/
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_lamb
+from benchmarks import machine, trees
+
+LR = 1e-3
+DEFAULT_OUT = os.path.join("benchmarks", "results", "memory.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+  """One optimizer configuration: how to build it, its params' dtype, how a step applies it."""
+
+  make: Callable[[], optax.GradientTransformation]
+  param_dtype: Any = jnp.float32
+  fused: bool = False  # optax_lamb.update_and_apply instead of update + apply_updates
+
+
+def _decay_mask(params: Any) -> Any:
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+CONFIGURATIONS: dict[str, Configuration] = {
+  "optax.lamb": Configuration(lambda: optax.lamb(LR, weight_decay=0.01)),
+  "lamb": Configuration(lambda: optax_lamb.lamb(LR, weight_decay=0.01)),
+  "lamb, update_and_apply": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01), fused=True
+  ),
+  "lamb, skip_nonfinite": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, skip_nonfinite=True)
+  ),
+  "lamb, max_grad_norm, mask": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, max_grad_norm=1.0, mask=_decay_mask)
+  ),
+  "lamb, bfloat16 moments": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+  ),
+  "lamb, bfloat16 params, master weights": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, master_weights=True), param_dtype=jnp.bfloat16
+  ),
+  "lamb, skip_nonfinite, master weights": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, skip_nonfinite=True, master_weights=True),
+    param_dtype=jnp.bfloat16,
+  ),
+  "keras_lamb": Configuration(lambda: optax_lamb.compat.keras_lamb(LR, weight_decay=0.01)),
+  "timm_lamb, decoupled_decay": Configuration(
+    lambda: optax_lamb.compat.timm_lamb(LR, weight_decay=0.01, decoupled_decay=True)
+  ),
+}
+
+
+def _step(tx: optax.GradientTransformation, fused: bool) -> Callable:
+  def step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+    if fused:
+      return optax_lamb.update_and_apply(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, donate_argnums=(0, 1, 2))  # grads too: in a train step they are its own
+
+
+def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
+  """Bytes of the leaves of `tree` (ShapeDtypeStructs or arrays), by memory kind."""
+  out = {"device": 0, "host": 0}
+  for x in jax.tree.leaves(tree):
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    out["host" if kind in ("pinned_host", "unpinned_host") else "device"] += x.size * x.dtype.itemsize
+  return out
+
+
+def measure(shapes: dict, config: Configuration) -> dict:
+  """The state's bytes by memory kind and the compiled step's temporaries, for one tree."""
+  params = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, config.param_dtype), shapes, is_leaf=trees._is_shape
+  )
+  tx = config.make()
+  state = jax.eval_shape(tx.init, params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # donated buffers the backend cannot reuse
+    compiled = _step(tx, config.fused).lower(params, state, params).compile()
+  analysis = compiled.memory_analysis()
+  count = trees.param_count(shapes)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  state_bytes = _bytes_by_memory_kind(state)
+  return {
+    "params": count,
+    "param_bytes": param_bytes,
+    "state_device_bytes_per_param": state_bytes["device"] / count,
+    "state_host_bytes_per_param": state_bytes["host"] / count,
+    "temp_bytes": int(analysis.temp_size_in_bytes),
+    "temp_bytes_per_param": analysis.temp_size_in_bytes / count,
+    "temp_over_param_bytes": analysis.temp_size_in_bytes / param_bytes,
+  }
+
+
+def table(results: dict) -> str:
+  """Markdown: one row per configuration, per tree its state and temporaries per parameter."""
+  names = list(results["trees"])
+  head = "| configuration | " + " | ".join(
+    f"{t}: state B/param (device, host) | {t}: temporaries B/param (x params)" for t in names
+  )
+  rows = [head + " |", "|---|" + "---:|---:|" * len(names)]
+  for config in results["configurations"]:
+    cells = []
+    for t in names:
+      r = results["trees"][t][config]
+      state = f"{r['state_device_bytes_per_param']:.2f}, {r['state_host_bytes_per_param']:.2f}"
+      temp = f"{r['temp_bytes_per_param']:.3f} ({r['temp_over_param_bytes']:.3f}x)"
+      cells += [state, temp]
+    rows.append(f"| `{config}` | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
+def _commit() -> str:
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+  except OSError:
+    return "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--trees", nargs="+", default=["bert-base", "bert-large"])
+  parser.add_argument("--configurations", nargs="+", default=list(CONFIGURATIONS))
+  parser.add_argument("--json", default=DEFAULT_OUT, help="where to write the results")
+  args = parser.parse_args(argv)
+  results: dict = {
+    "device": machine.describe_device(),
+    "commit": _commit(),
+    "date": datetime.date.today().isoformat(),
+    "versions": machine.versions(),
+    "configurations": args.configurations,
+    "trees": {},
+  }
+  for name in args.trees:
+    shapes = trees.NAMED_TREES[name]()
+    results["trees"][name] = {}
+    for config in args.configurations:
+      results["trees"][name][config] = measure(shapes, CONFIGURATIONS[config])
+      print(f"{name:10s} {config:40s} {results['trees'][name][config]['temp_over_param_bytes']:.4f}x",
+            flush=True)  # fmt: skip
+  print(table(results))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  return results
+
+
+if __name__ == "__main__":
+  main()
