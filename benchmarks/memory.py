@@ -73,6 +73,12 @@ CONFIGURATIONS: dict[str, Configuration] = {
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, skip_nonfinite=True, master_weights=True),
     param_dtype=jnp.bfloat16,
   ),
+  "lamb, offload (device compute)": Configuration(
+    lambda: optax_lamb.offload(optax_lamb.lamb(LR, weight_decay=0.01), compute="device")
+  ),
+  "lamb, offload (host compute)": Configuration(
+    lambda: optax_lamb.offload(optax_lamb.lamb(LR, weight_decay=0.01), compute="host")
+  ),
   "keras_lamb": Configuration(lambda: optax_lamb.compat.keras_lamb(LR, weight_decay=0.01)),
   "timm_lamb, decoupled_decay": Configuration(
     lambda: optax_lamb.compat.timm_lamb(LR, weight_decay=0.01, decoupled_decay=True)
@@ -80,14 +86,16 @@ CONFIGURATIONS: dict[str, Configuration] = {
 }
 
 
-def _step(tx: optax.GradientTransformation, fused: bool) -> Callable:
+def _step(tx: optax.GradientTransformation, fused: bool, donate_state: bool) -> Callable:
   def step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
     if fused:
       return optax_lamb.update_and_apply(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return jax.jit(step, donate_argnums=(0, 1, 2))  # grads too: in a train step they are its own
+  # grads too: in a train step they are its own. A state in host memory is not donated:
+  # donating pinned_host buffers aborts XLA:CPU (jax 0.10.2).
+  return jax.jit(step, donate_argnums=(0, 1, 2) if donate_state else (0, 2))
 
 
 def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
@@ -95,7 +103,9 @@ def _bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   out = {"device": 0, "host": 0}
   for x in jax.tree.leaves(tree):
     kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
-    out["host" if kind in ("pinned_host", "unpinned_host") else "device"] += x.size * x.dtype.itemsize
+    out["host" if kind in ("pinned_host", "unpinned_host") else "device"] += (
+      x.size * x.dtype.itemsize
+    )
   return out
 
 
@@ -108,7 +118,9 @@ def measure(shapes: dict, config: Configuration) -> dict:
   state = jax.eval_shape(tx.init, params)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # donated buffers the backend cannot reuse
-    compiled = _step(tx, config.fused).lower(params, state, params).compile()
+    on_host = _bytes_by_memory_kind(state)["host"] > 0
+    step = _step(tx, config.fused, donate_state=not on_host)
+    compiled = step.lower(params, state, params).compile()
   analysis = compiled.memory_analysis()
   count = trees.param_count(shapes)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -10,8 +10,9 @@ from optax_lamb._decay import add_decayed_weights
 from optax_lamb._lamb import lamb
 from optax_lamb._loss_scale import UnscaleGradientsState, unscale_gradients
 from optax_lamb._mixed_precision import MasterWeightsState, master_weights, with_master_weights
+from optax_lamb._offload import offload
+from optax_lamb._options import RatioLayout
 from optax_lamb._plan import ScaleByTrustRatioState
-from optax_lamb._ratios import RatioLayout
 from optax_lamb._skip import SkipCounts, SkipNonFiniteState, skip_counts, skip_nonfinite
 from optax_lamb._trust_ratio import scale_by_trust_ratio, trust_ratios
 from optax_lamb._update_and_apply import update_and_apply
@@ -33,6 +34,7 @@ __all__ = (
   "compat",
   "lamb",
   "master_weights",
+  "offload",
   "scale_by_adam",
   "scale_by_trust_ratio",
   "skip_counts",

@@ -11,6 +11,7 @@ NaN fails every comparison, so each check states what is allowed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any
@@ -155,3 +156,27 @@ def check_config(config: LambConfig) -> LambConfig:
   check_non_negative("weight_decay", h.weight_decay, schedule=True)
   check_per_leaf("mask", per_leaf.mask, "bool")
   return config._replace(options=options)
+
+
+def scalar_valued(value: Any, name: str) -> Any:
+  """`value`; for a schedule, one that refuses a value that is not a scalar, naming `name`.
+
+  The check runs when the step is traced (the value's shape is static), on every
+  implementation: a schedule returning shape (2,) would otherwise broadcast a
+  0-d param to shape (2,) on one path and fail with a stacking error on another.
+  """
+  if not callable(value) or getattr(value, "_scalar_valued", False):
+    return value
+
+  @functools.wraps(value)
+  def schedule(count: jax.Array) -> jax.Array:
+    out = value(count)
+    if jnp.ndim(out) != 0:
+      raise ValueError(
+        f"{name} must be a schedule whose values are scalars, got {name}(count) of shape "
+        f"{jnp.shape(out)}"
+      )
+    return out
+
+  schedule._scalar_valued = True  # type: ignore[attr-defined]
+  return schedule

@@ -35,7 +35,7 @@ def add_decayed_weights(
   _check_args.check_non_negative("weight_decay", weight_decay, schedule=True)
   _check_args.check_per_leaf("mask", mask, "bool")
   is_schedule = callable(weight_decay)
-  weight_decay = _options.scalar_valued(weight_decay, "weight_decay")
+  weight_decay = _check_args.scalar_valued(weight_decay, "weight_decay")
 
   def init_fn(params) -> Any:
     del params

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lamb import _checks  # its leaf helpers, read when an error is described
-from optax_lamb._ratios import RatioLayout
+from optax_lamb._options import RatioLayout
 
 RESTORE_HINT = (
   "This looks like a checkpoint restored without a target (orbax and flax.serialization then "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -73,3 +74,37 @@ def register_layout_with_flax(layout_type: type) -> None:
   serialization.register_serialization_state(
     layout_type, lambda _: {}, lambda target, _: target, override=True
   )
+
+
+def check_host_memory(who: str) -> None:
+  """Raise where the default backend's devices have no pinned host memory to offload to."""
+  kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+  if "pinned_host" not in kinds:
+    raise ValueError(
+      f"{who} needs host memory (memory kind 'pinned_host'), which the {jax.default_backend()!r} "
+      f"backend's devices do not have (they have {sorted(kinds)})"
+    )
+
+
+def to_memory(x: jax.Array, space: str) -> jax.Array:
+  """`x` in host (pinned) or device memory, on its devices: ``jax.memory.Space`` (jax 0.10-0.11),
+  inside or outside ``jax.jit``."""
+  return jax.device_put(x, jax.memory.Space.Host if space == "host" else jax.memory.Space.Device)
+
+
+def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` run on the host's cores, its outputs left in host memory: ``compute_on2`` (jax 0.10,
+  0.11; ``compute_on`` as a context manager was removed after 0.10)."""
+  from jax.experimental.compute_on import compute_on2
+
+  return compute_on2(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+
+
+def full_like_in_memory(x: jax.Array, value: float) -> jax.Array:
+  """An array like `x` filled with `value`, in `x`'s memory space: inside ``compute_on`` a new
+  constant is device memory (jax 0.10), and operations refuse to mix the two."""
+  fill = jax.numpy.full_like(x, value)
+  space = getattr(jax.typeof(x), "memory_space", None)
+  if space is None or space == jax.memory.Space.Device:
+    return fill
+  return jax.device_put(fill, space)

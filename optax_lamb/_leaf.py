@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_lamb import _interop
 from optax_lamb._options import LambOptions, Scalar, StepScalars
 
 CAUTION_MIN_FRACTION = 1e-3  # timm: the kept part is rescaled by at most 1 / 1e-3
@@ -212,7 +213,9 @@ def kept(new: jax.Array, old: Any, s: StepScalars) -> jax.Array:
   skipped step leaves every buffer bit-identical at no memory cost."""
   if s.take is None:
     return new
-  return jnp.where(jnp.asarray(s.take) != 0, new, jnp.asarray(old, new.dtype))
+  if isinstance(old, (int, float)):
+    old = _interop.full_like_in_memory(new, old)
+  return jnp.where(jnp.asarray(s.take) != 0, new, old)
 
 
 def stored(moment: jax.Array, old: jax.Array, s: StepScalars) -> jax.Array:

@@ -52,7 +52,7 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
   """
   check_grad_scale(grad_scale)
   is_schedule = callable(grad_scale)
-  grad_scale = _options.scalar_valued(grad_scale, "grad_scale")
+  grad_scale = _check_args.scalar_valued(grad_scale, "grad_scale")
 
   def init_fn(params) -> Any:
     del params

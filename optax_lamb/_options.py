@@ -1,26 +1,21 @@
 """lamb's options, typed: what is fixed when the transformation is built, and the numbers of a step.
 
-Two objects describe a step:
-
-* `LambOptions`, frozen and hashable: the switches (placements, bias correction,
-  caution) and the moments' storage dtypes. Kernels take it as a static argument.
-* `StepScalars`, a pytree: the numbers of one step (betas, eps, the learning rate
-  and weight decay at this step, bias corrections, clip factor, ratio clamps). A
-  field is a Python number (a compile-time constant), a 0-d array (a runtime
-  scalar: a schedule's value, a bias correction, a hyper-parameter injected by
-  ``optax.inject_hyperparams``) or None (the option is off: no clip, no clamp).
-
-`ScalarLayout.of` is the one place that decides which numbers are constants and
-which travel as runtime operands, by name. `Hyperparams` holds the numbers as
-given to the constructor (numbers, arrays or schedules); `value_and_next_state`
-is where a schedule is evaluated and its count stepped.
+`LambOptions` (frozen, hashable: a static argument of the kernels) holds the switches and
+the moments' dtypes; `StepScalars` (a pytree) the numbers of one step, each a Python
+number (a compile-time constant), a 0-d array (a runtime scalar: a schedule's value, a
+hyper-parameter injected by ``optax.inject_hyperparams``) or None (off). `ScalarLayout.of`
+is the one place that decides which numbers are constants, by name. `Hyperparams` holds
+the numbers as given; `value_and_next_state` evaluates a schedule and steps its count.
+`RatioLayout` is the static layout of a tree's trust ratios.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+import itertools
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
 import jax
@@ -159,35 +154,76 @@ class ScalarLayout:
     )
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RatioLayout:
+  """Where each leaf's trust ratios sit in the state's ratio vector. Static: no arrays.
+
+  Leaf ``i`` (in ``jax.tree.leaves`` order of the params) owns the entries
+  ``offsets[i]:offsets[i + 1]``, reshaped to ``shapes[i]``: ``()`` for a plain
+  leaf, the leading stacked axes of a stacked one.
+  """
+
+  treedef: Any  # of the params
+  shapes: tuple[tuple[int, ...], ...]
+
+  def __hash__(self) -> int:  # every jitted call hashes its arguments' static data: once here
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash((self.treedef, self.shapes))
+
+  @functools.cached_property
+  def offsets(self) -> tuple[int, ...]:
+    return tuple(itertools.accumulate((math.prod(s) for s in self.shapes), initial=0))
+
+  @property
+  def size(self) -> int:
+    return self.offsets[-1]
+
+  def join(self, ratios: Sequence[jax.Array]) -> jax.Array:
+    """One replicated vector from the per-leaf pieces (in leaf order), in float32 or wider
+    (float64 pieces stay so: the state stores them in float32, `ScaleByTrustRatioState`)."""
+    if not ratios:  # a tree emptied by optax.masked
+      return jnp.ones((0,), jnp.float32)
+    dtype = jnp.promote_types(jnp.result_type(*ratios), jnp.float32)
+    return jnp.concatenate([jnp.reshape(_replicated(r), (-1,)).astype(dtype) for r in ratios])
+
+  def pieces(self, vector: jax.Array) -> list[jax.Array]:
+    """The per-leaf ratios (in leaf order, stacked shapes); leading batch axes (pmap, vmap) kept."""
+    batch = jnp.shape(vector)[:-1]
+    return [
+      jnp.reshape(vector[..., a:b], batch + shape)
+      for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes, strict=True)
+    ]
+
+  def split(self, vector: jax.Array) -> Any:
+    """The per-leaf pytree of ratios; leading batch axes of `vector` (pmap, vmap) are kept."""
+    return jax.tree.unflatten(self.treedef, self.pieces(vector))
+
+  def per_slot(self, per_leaf: Sequence[Any]) -> list[Any]:
+    """A per-leaf list of values repeated for each of the leaf's slots (static, Python values)."""
+    return [
+      v for v, shape in zip(per_leaf, self.shapes, strict=True) for _ in range(math.prod(shape))
+    ]
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+  """`x` replicated where its type says it is sharded (a mesh of Explicit axes: a stacked leaf's
+  ratios, and ``concatenate`` takes operands of one sharding only; the gather is ratio-sized)."""
+  sharding = jax.typeof(x).sharding
+  if any(entry is not None for entry in getattr(sharding, "spec", ())):
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.reshard(x, replicated)
+  return x
+
+
 # ------------------------------------------------------------------------------- schedules
 
 
 def _is_count_state(x: Any) -> bool:
   return isinstance(x, tuple) and getattr(x, "_fields", None) == ("count",)
-
-
-def scalar_valued(value: Any, name: str) -> Any:
-  """`value`; for a schedule, one that refuses a value that is not a scalar, naming `name`.
-
-  The check runs when the step is traced (the value's shape is static), on every
-  implementation: a schedule returning shape (2,) would otherwise broadcast a
-  0-d param to shape (2,) on one path and fail with a stacking error on another.
-  """
-  if not callable(value) or getattr(value, "_scalar_valued", False):
-    return value
-
-  @functools.wraps(value)
-  def schedule(count: jax.Array) -> jax.Array:
-    out = value(count)
-    if jnp.ndim(out) != 0:
-      raise ValueError(
-        f"{name} must be a schedule whose values are scalars, got {name}(count) of shape "
-        f"{jnp.shape(out)}"
-      )
-    return out
-
-  schedule._scalar_valued = True  # type: ignore[attr-defined]
-  return schedule
 
 
 def value_and_next_state(value: Any, state: Any) -> tuple[Any, Any]:
@@ -238,14 +274,9 @@ class LambConfig(NamedTuple):
   @classmethod
   def of(cls, **fields: Any) -> LambConfig:
     """The configuration from its fields by name (each field of one of the three objects)."""
-    parts = [
-      {k: fields.pop(k) for k in list(fields) if k in names}
-      for names in (
-        {f.name for f in dataclasses.fields(LambOptions)},
-        set(Hyperparams._fields),
-        {f.name for f in dataclasses.fields(PerLeafOptions)},
-      )
-    ]
+    names = [{f.name for f in dataclasses.fields(t)} for t in (LambOptions, PerLeafOptions)]
+    names.insert(1, set(Hyperparams._fields))
+    parts = [{k: fields.pop(k) for k in list(fields) if k in group} for group in names]
     if fields:
       raise TypeError(f"unknown lamb configuration fields: {sorted(fields)}")
     return cls(LambOptions(**parts[0]), Hyperparams(**parts[1]), PerLeafOptions(**parts[2]))

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb import _checks, _leaf, _options, _ratios, _skip
-from optax_lamb._options import LambConfig, LambOptions, StepScalars
-from optax_lamb._ratios import RatioLayout
+from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalars
 
 
 class ScaleByTrustRatioState(NamedTuple):

@@ -15,9 +15,7 @@ ratios live in one vector (a slot per leaf or stacked slice), laid out by `Ratio
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -28,7 +26,7 @@ import numpy as np
 
 from optax_lamb import _leaf
 from optax_lamb._leaf import compute_dtype
-from optax_lamb._options import StepScalars
+from optax_lamb._options import RatioLayout, StepScalars
 
 # Below this a float32 sum of squares may have lost terms to underflow (2^-100: about 8e-31).
 SMALL_SQUARED_NORM = 2.0**-100
@@ -59,13 +57,16 @@ PARTIALS = 1024
 
 
 def block_count(length: int, target: int) -> int | None:
-  """A number of blocks near `target` that divides `length` into blocks of even length, or None.
-
-  XLA:CPU keeps the inputs' producers inside the blocked reduction only for blocks of
-  even length; an uneven split (a tail) would give the producer two consumers, and XLA
-  would then write it to memory.
+  """A number of blocks near `target` that divides `length` into blocks of even length, or None:
+  a power of two if one does (a leaf sharded on its first axis then keeps whole blocks per
+  device). Uneven blocks (a tail) would give the inputs' producer two consumers, which XLA:CPU
+  would then write to memory.
   """
-  fits = [b for b in range(target // 2, 2 * target + 1) if length % b == 0 and length // b % 2 == 0]
+  even = lambda b: length % b == 0 and length // b % 2 == 0
+  powers = [1 << k for k in range(target.bit_length() - 2, target.bit_length() + 1)]
+  fits = [b for b in powers if even(b)] or [
+    b for b in range(target // 2, 2 * target + 1) if even(b)
+  ]
   return min(fits, key=lambda b: (abs(b - target), -b)) if fits else None
 
 
@@ -89,23 +90,42 @@ def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
 
 
 def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int) -> tuple:
-  """Each term summed over all but its first `stacked_axes` axes (see `leaf_sq_sums`).
+  """Each term summed over all but its first `stacked_axes` axes (see `leaf_sq_sums`)."""
+  if partial_count == 1:
+    axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
+    return tuple(jnp.sum(q, axis=axes) for q in terms)
+  return _reduced(tuple(terms), stacked_axes, partial_count)
 
-  One reduction for several terms: XLA:CPU hands a lone sum to a library whose inputs
-  must be in memory (its runtime scalars broadcast to the leaf's shape, for one).
-  """
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _reduced(terms: tuple, stacked_axes: int, partial_count: int) -> tuple:
+  """The terms' sums in one reduction, in blocks where they fit: XLA:CPU hands a lone sum to a
+  library that reads its input from memory, and keeps the producer inside this one. A leaf
+  of under 16 blocks' worth: one plain sum per term (its library copies are small), which
+  XLA's partitioner splits over devices; it gathers the input of a reduction of several
+  terms over a sharded axis, so a large leaf sharded there gathers its partial sums (blocks)
+  or, with slices that no even blocks divide, its terms (docs/memory.md)."""
   shape = jnp.shape(terms[0])
   lead, length = shape[:stacked_axes], math.prod(shape[stacked_axes:])
   axes = tuple(range(stacked_axes, len(shape)))
-  if partial_count == 1:
+  if math.prod(shape) < 16 * partial_count:
     return tuple(jnp.sum(q, axis=axes) for q in terms)
   zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
-  blocks = block_count(length, partial_count) if length >= 64 * partial_count else None
+  blocks = block_count(length, partial_count) if length >= 16 * partial_count else None
   if blocks is None:
-    return tuple(jax.lax.reduce(tuple(terms), zeros, _add, axes))
-  rows = [jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms]
-  partials = jax.lax.reduce(tuple(rows), zeros, _add, (len(lead),))
+    return tuple(jax.lax.reduce(terms, zeros, _add, axes))
+  rows = tuple(jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms)
+  partials = jax.lax.reduce(rows, zeros, _add, (len(lead),))
   return tuple(jnp.sum(q, axis=-1) for q in partials)
+
+
+@_reduced.defjvp
+def _reduced_jvp(stacked_axes: int, partial_count: int, primals: tuple, tangents: tuple) -> tuple:
+  """Linear: the tangents' plain sums (transposable, unlike the blocked reduction)."""
+  (terms,), (dterms,) = primals, tangents
+  axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
+  tangent_sums = tuple(jnp.sum(dq, axis=axes) for dq in dterms)
+  return _reduced(terms, stacked_axes, partial_count), tangent_sums
 
 
 def rescue_scale(plain: jax.Array) -> jax.Array:
@@ -120,13 +140,6 @@ def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.
   slice), in one reduction, u's computation inside it."""
   terms = [squares(p, p_scale), squares(u, u_scale)]
   return _sums_of(terms, stacked_axes, PARTIALS)
-
-
-def block_sq_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
-  """A kernel block's sums of (x s)^2 at every `SCALES`, over its unmasked lanes."""
-  # Masked lanes hold other=0 inputs, and u may be 0/0 there when eps = 0: zero them first.
-  x = jnp.where(mask, x.astype(jnp.float32), 0.0)
-  return tuple(jnp.sum(squares(x, s)) for s in SCALES)
 
 
 def safe_sqrt(sq: jax.Array) -> jax.Array:
@@ -147,11 +160,6 @@ def norm_from_sums(plain: jax.Array, scaled: jax.Array) -> jax.Array:
   its sum at `rescue_scale(plain)`; finite derivatives throughout."""
   rescued = safe_sqrt(scaled) / rescue_scale(plain)
   return jnp.where(suspect(plain), rescued, safe_sqrt(plain))
-
-
-def chosen(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-  """Of a sum's values at `DOWN` and `UP`, the one `norm_from_sums` takes (`rescue_scale`)."""
-  return jnp.where(jnp.isinf(plain), down, up)
 
 
 def needs_rescue(param_sq: jax.Array, update_sq: jax.Array, adapted: Sequence[bool]) -> jax.Array:
@@ -178,16 +186,6 @@ def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.
     for i, a, b in zip(idx, np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes), strict=True):
       out[i] = jnp.reshape(summed[a:b], jnp.shape(pieces[i]))
   return out
-
-
-def psum_slots(x: jax.Array, slot_names: Sequence[Any]) -> jax.Array:
-  """`psum_by_name` over the entries of one vector, each entry with its own axis names."""
-  names = list(dict.fromkeys(slot_names))
-  if len(names) <= 1:
-    return psum_if(x, names[0] if names else None)
-  groups = [np.array([i for i, n in enumerate(slot_names) if n == name]) for name in names]
-  summed = psum_by_name([x[g] for g in groups], names)
-  return jnp.concatenate(summed)[np.argsort(np.concatenate(groups))]
 
 
 def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
@@ -228,75 +226,11 @@ def caution_fraction(u, g, stacked_axes: int = 0, axis_name: Any = None) -> jax.
   """max(mean([u g > 0]), 1e-3) per leaf (or stacked slice), float32: caution's rescaling, `u`
   the Adam direction, `g` the moments' gradient, counted on every shard of `axis_name`."""
   keep = _leaf.agrees(u, g).astype(jnp.float32)
-  axes = tuple(range(stacked_axes, keep.ndim))
-  kept = psum_if(jnp.sum(keep, axis=axes), axis_name)
-  count = psum_if(jnp.asarray(math.prod(keep.shape[stacked_axes:]), jnp.float32), axis_name)
+  # The kept and the dropped elements counted in one reduction, the count their sum: a lone
+  # sum goes to an XLA:CPU library that would read u's computation from memory.
+  sums = _sums_of([keep, 1 - keep], stacked_axes, PARTIALS)
+  kept, count = (psum_if(x, axis_name) for x in (sums[0], sums[0] + sums[1]))
   return jnp.maximum(kept / count, _leaf.CAUTION_MIN_FRACTION)
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class RatioLayout:
-  """Where each leaf's trust ratios sit in the state's ratio vector. Static: no arrays.
-
-  Leaf ``i`` (in ``jax.tree.leaves`` order of the params) owns the entries
-  ``offsets[i]:offsets[i + 1]``, reshaped to ``shapes[i]``: ``()`` for a plain
-  leaf, the leading stacked axes of a stacked one.
-  """
-
-  treedef: Any  # of the params
-  shapes: tuple[tuple[int, ...], ...]
-
-  def __hash__(self) -> int:  # every jitted call hashes its arguments' static data: once here
-    return self._hash
-
-  @functools.cached_property
-  def _hash(self) -> int:
-    return hash((self.treedef, self.shapes))
-
-  @functools.cached_property
-  def offsets(self) -> tuple[int, ...]:
-    return tuple(itertools.accumulate((math.prod(s) for s in self.shapes), initial=0))
-
-  @property
-  def size(self) -> int:
-    return self.offsets[-1]
-
-  def join(self, ratios: Sequence[jax.Array]) -> jax.Array:
-    """One replicated vector from the per-leaf pieces (in leaf order), in float32 or wider
-    (float64 pieces stay so: the state stores them in float32, `ScaleByTrustRatioState`)."""
-    if not ratios:  # a tree emptied by optax.masked
-      return jnp.ones((0,), jnp.float32)
-    dtype = jnp.promote_types(jnp.result_type(*ratios), jnp.float32)
-    return jnp.concatenate([jnp.reshape(_replicated(r), (-1,)).astype(dtype) for r in ratios])
-
-  def pieces(self, vector: jax.Array) -> list[jax.Array]:
-    """The per-leaf ratios (in leaf order, stacked shapes); leading batch axes (pmap, vmap) kept."""
-    batch = jnp.shape(vector)[:-1]
-    return [
-      jnp.reshape(vector[..., a:b], batch + shape)
-      for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes, strict=True)
-    ]
-
-  def split(self, vector: jax.Array) -> Any:
-    """The per-leaf pytree of ratios; leading batch axes of `vector` (pmap, vmap) are kept."""
-    return jax.tree.unflatten(self.treedef, self.pieces(vector))
-
-  def per_slot(self, per_leaf: Sequence[Any]) -> list[Any]:
-    """A per-leaf list of values repeated for each of the leaf's slots (static, Python values)."""
-    return [
-      v for v, shape in zip(per_leaf, self.shapes, strict=True) for _ in range(math.prod(shape))
-    ]
-
-
-def _replicated(x: jax.Array) -> jax.Array:
-  """`x` replicated where its type says it is sharded (a mesh of Explicit axes: a stacked leaf's
-  ratios, and ``concatenate`` takes operands of one sharding only; the gather is ratio-sized)."""
-  sharding = jax.typeof(x).sharding
-  if any(entry is not None for entry in getattr(sharding, "spec", ())):
-    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.sharding.reshard(x, replicated)
-  return x
 
 
 class SlotSums(NamedTuple):

@@ -91,8 +91,8 @@ def build(
   _check_args.check_bool("master_weights", master_weights)
   check_grad_scale(grad_scale)
   hyper = config.hyper._replace(
-    learning_rate=_options.scalar_valued(config.hyper.learning_rate, "learning_rate"),
-    weight_decay=_options.scalar_valued(config.hyper.weight_decay, "weight_decay"),
+    learning_rate=_check_args.scalar_valued(config.hyper.learning_rate, "learning_rate"),
+    weight_decay=_check_args.scalar_valued(config.hyper.weight_decay, "weight_decay"),
   )
   config = config._replace(hyper=hyper)
   chain = _reference.chain(config)
@@ -109,7 +109,7 @@ def build(
       grads = grad_transform(grads, params)
     return lamb_step(grads, state, params, apply=apply)
 
-  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any):
+  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple:
     del extra_args
     return step(updates, state, params, apply=False)
 
@@ -123,7 +123,7 @@ def build(
   # update_and_apply writes the new params in the last pass (on a backend); the chain of
   # stages falls back to update + apply_updates.
   fused_apply = (lambda g, s, p: step(g, s, p, apply=True)) if fused else None
-  scale = _options.scalar_valued(grad_scale, "grad_scale")
+  scale = _check_args.scalar_valued(grad_scale, "grad_scale")
   return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply)
 
 

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb import _check_args, _checks, _interop, _leaf, _nnx, _ratios
-from optax_lamb._options import StepScalars
+from optax_lamb._options import RatioLayout, StepScalars
 from optax_lamb._plan import ScaleByTrustRatioState
-from optax_lamb._ratios import RatioLayout
 
 
 def scale_by_trust_ratio(
@@ -151,7 +150,7 @@ def _ratio_vector(us: list, ps: list, s: StepScalars, layout: RatioLayout, adapt
       else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 2
       for p, u, ps_, us_, k, a in zip(ps, us, p_scales, u_scales, axes, adapts, strict=True)
     ]  # fmt: skip
-    p_scaled, u_scaled = (list(part) for part in zip(*scaled, strict=True))
+    p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
     exact = _ratios.with_scaled_sums(sums, layout, names, p_scaled, u_scaled)
     return _ratios.ratio_vector(exact, s, adapted)
 

@@ -18,9 +18,10 @@ computations of u (which would materialise u, a param-sized temporary). When
 the moments are stored in a narrower dtype than they are computed in, pass 2
 recomputes them from the old moments instead, so u never sees the rounding.
 
-Leaves of at most `materialize_u_max_size` elements compute u once and keep it
-between the norm and the update instead: it stays in cache, and recomputing
-would cost more than it saves. Leaves without layer adaptation need no norm
+The smallest leaves, up to `materialize_u_max_size` elements in all, compute u
+once and keep it between the norm and the update instead (recomputing costs more
+than it saves there); every kept u is alive until the ratios are known, so the
+total is what bounds the step's temporaries. Leaves without layer adaptation need no norm
 and take one pass. Every formula is `optax_lamb._leaf`'s, every norm `optax_lamb._ratios`'.
 """
 
@@ -41,13 +42,14 @@ class XlaBackend:
   """The fused XLA path; runs everywhere, and XLA differentiates and partitions it.
 
   Attributes:
-    materialize_u_max_size: leaves of at most this many elements keep u in memory
-      between the norm and the update (it stays in cache); larger ones recompute it.
+    materialize_u_max_size: the smallest leaves, up to this many elements in all
+      (4K: 16 KiB of float32), keep u in memory between the norm and the update;
+      the others recompute it.
   """
 
   name = "xla"
   differentiable = True  # plain jnp: jax differentiates it
-  materialize_u_max_size: int = 1 << 18
+  materialize_u_max_size: int = 1 << 12
 
   def auto_reason(self) -> str | None:
     return None
@@ -61,9 +63,9 @@ class XlaBackend:
 
   def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
     """One lamb step in two passes per adapted leaf (one pass for the others)."""
+    kept = _smallest_within(plan.leaves, self.materialize_u_max_size)
     firsts = [
-      _pass1(plan, leaf, x, self.materialize_u_max_size)
-      for leaf, x in zip(plan.leaves, leaves, strict=True)
+      _pass1(plan, leaf, x, leaf.index in kept) for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
     names, adapted = plan.leaf_names, plan.adapted_slots
     sums = _ratios.slot_sums(plan.layout, names, [f.p_sq for f in firsts], [f.u_sq for f in firsts])
@@ -76,7 +78,7 @@ class XlaBackend:
           plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
         )
       ]
-      p_scaled, u_scaled = (list(part) for part in zip(*scaled, strict=True))
+      p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
       exact = _ratios.with_scaled_sums(sums, plan.layout, names, p_scaled, u_scaled)
       return _ratios.ratio_vector(exact, plan.scalars, adapted)
 
@@ -91,7 +93,7 @@ class XlaBackend:
         plan.leaves, leaves, firsts, plan.layout.pieces(ratios), strict=True
       )
     ]
-    out, mu, nu = (list(column) for column in zip(*seconds, strict=True))
+    out, mu, nu = ([second[i] for second in seconds] for i in range(3))
     return StepResult(out, mu, nu, ratios)
 
 
@@ -113,7 +115,18 @@ def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> 
   return _leaf.direction(m, v, p, o, s, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
 
 
-def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, materialize_max: int) -> _Pass1:
+def _smallest_within(leaves: tuple[LeafPlan, ...], total: int) -> set[int]:
+  """The indices of the smallest leaves whose sizes add up to at most `total`."""
+  chosen, used = set(), 0
+  for leaf in sorted(leaves, key=lambda leaf: leaf.size):
+    if used + leaf.size > total:
+      break
+    chosen.add(leaf.index)
+    used += leaf.size
+  return chosen
+
+
+def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool) -> _Pass1:
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = _leaf.stored(m_c, x.m, s), _leaf.stored(v_c, x.v, s)
@@ -124,12 +137,15 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, materialize_max: int) 
   if o.caution:  # a reduction over the leaf before u: the kernels do not compute it
     g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay)
     kept = _ratios.caution_fraction(_leaf.adam_direction(m_c, v_c, s), g, k, leaf.axis_name)
+    # u again after the barrier: kept in memory between the two reductions, it would be
+    # a parameter-sized temporary.
+    m_c, v_c, x, kept = jax.lax.optimization_barrier((m_c, v_c, x, kept))
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
-  if leaf.size <= materialize_max:
+  if keep_u:
     # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
     p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1)
     return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u, kept)

@@ -205,18 +205,20 @@ def test_a_fallback_warning_points_at_the_callers_line(wrappers):
   }
 
 
-def test_the_fused_apply_is_carried_by_lamb_only_without_wrappers():
-  plain = optax_lamb.lamb(1e-3)
-  assert callable(plain.update.fused_apply)
-  for kwargs in ({"skip_nonfinite": True}, {"master_weights": True}, {"grad_scale": 2.0}):
+def test_the_fused_apply_is_carried_by_lamb_on_a_backend_with_its_own_wrappers():
+  """lamb's own skip and master weights are part of the planned step, so update_and_apply keeps
+  its fused apply with them; a build-time loss scale and the chain of stages fall back."""
+  for kwargs in ({}, {"skip_nonfinite": True}, {"master_weights": True}):
+    assert callable(optax_lamb.lamb(1e-3, **kwargs).update.fused_apply), kwargs
+  for kwargs in ({"grad_scale": 2.0}, {"implementation": "reference"}):
     assert not hasattr(optax_lamb.lamb(1e-3, **kwargs).update, "fused_apply"), kwargs
-  # update_and_apply on a wrapped lamb falls back to update + apply_updates
-  tx = optax_lamb.lamb(1e-3, skip_nonfinite=True)
-  params = {"w": jnp.ones(3)}
-  state = tx.init(params)
-  got, _ = optax_lamb.update_and_apply(tx, params, state, params)
-  updates, _ = tx.update(params, state, params)
-  np.testing.assert_array_equal(got["w"], optax.apply_updates(params, updates)["w"])
+  for kwargs in ({"skip_nonfinite": True}, {"master_weights": True}, {"grad_scale": 2.0}):
+    tx = optax_lamb.lamb(1e-3, **kwargs)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    got, _ = optax_lamb.update_and_apply(tx, params, state, params)
+    updates, _ = tx.update(params, state, params)
+    np.testing.assert_array_equal(got["w"], optax.apply_updates(params, updates)["w"])
 
 
 def test_pallas_is_an_alias_of_pallas_triton():

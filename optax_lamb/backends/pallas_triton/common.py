@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from optax_lamb import _interop
+from optax_lamb import _interop, _ratios
 from optax_lamb._options import ScalarLayout, StepScalars
 from optax_lamb._plan import LeafPlan
 
@@ -145,6 +145,14 @@ def chunk(pid, c: LeafChunks, block: int) -> tuple[jax.Array, jax.Array, jax.Arr
   start = k * block
   mask = start + jnp.arange(block, dtype=jnp.int32) < c.leaf.length
   return s, s * c.leaf.length + start, mask
+
+
+def block_sq_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
+  """A block's sums of (x s)^2 (`_ratios.squares`) at every `_ratios.SCALES`, over its unmasked
+  lanes: the kernels sum all three in the pass (memory-bound on a GPU: no extra bytes)."""
+  # Masked lanes hold other=0 inputs, and u may be 0/0 there when eps = 0: zero them first.
+  x = jnp.where(mask, x.astype(jnp.float32), 0.0)
+  return tuple(jnp.sum(_ratios.squares(x, s)) for s in _ratios.SCALES)
 
 
 def for_each_leaf(table: Table, body) -> None:

@@ -46,7 +46,7 @@ def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, s
         common.store(moments_out[j][name], start, mask, block, _leaf.stored(value, x[name], s))
     u = _leaf.direction(m, v, x["p"], o, s, decay=c.leaf.decay)
     p = _leaf.ratio_params(x["p"], o, s, decay=c.leaf.decay)
-    sums = (*_ratios.block_sq_sums(p, mask), *_ratios.block_sq_sums(u, mask))
+    sums = (*common.block_sq_sums(p, mask), *common.block_sq_sums(u, mask))
     for ref, value in zip(part_refs, sums, strict=True):
       ref[...] = value
 

@@ -1,0 +1,143 @@
+"""No parameter-sized temporary in any configuration: the compiler's own count of a donated step.
+
+Every option and combination of `lamb` and the compat constructors, on a small tree with
+odd sizes, a stacked leaf, tiny and larger leaves, compiles (nothing runs) to a step whose
+temporaries are at most 1% of the params' bytes plus 64 KiB (`BUDGET`), read from
+``memory_analysis()`` of XLA:CPU, the figure benchmarks/memory.py reports per parameter.
+Two exceptions XLA:CPU leaves (docs/memory.md), each held to what it costs today so that a
+regression beyond it still fails: moments stored narrower than float32 (XLA copies them), and
+timm's caution (XLA keeps the Adam direction and its sign mask in memory).
+"""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_lamb
+from optax_lamb import compat
+
+SHAPES = {
+  "odd": (600, 500),  # 300,000: no power-of-two blocks
+  "wide": (300, 200),
+  "stacked": (4, 512, 64),
+  "prime": (100_003,),
+  "bias": (768,),
+  "tiny": (3,),
+  "scalar": (),
+}
+STACKED = {k: (1 if k == "stacked" else 0) for k in SHAPES}
+LR = 1e-3
+
+
+def _mask(params):
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+CONFIGURATIONS = {
+  "lamb": lambda: optax_lamb.lamb(LR, weight_decay=0.01),
+  "stacked, clip, masks": lambda: optax_lamb.lamb(
+    LR,
+    weight_decay=0.01,
+    mask=_mask,
+    trust_ratio_mask=_mask,
+    max_grad_norm=1.0,
+    stacked_axes=STACKED,
+    min_trust_ratio=0.1,
+    max_trust_ratio=10.0,
+  ),  # fmt: skip
+  "skip_nonfinite": lambda: optax_lamb.lamb(LR, weight_decay=0.01, skip_nonfinite=True),
+  "skip, clip, stacked": lambda: optax_lamb.lamb(
+    LR, skip_nonfinite=True, max_grad_norm=1.0, stacked_axes=STACKED
+  ),
+  "schedules": lambda: optax_lamb.lamb(
+    optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=optax.linear_schedule(0.1, 0.0, 10)
+  ),
+  "apex L2": lambda: compat.apex_fused_lamb(LR, adam_w_mode=False, skip_nonfinite=True),
+  "deepspeed": lambda: compat.deepspeed_fused_lamb(LR, weight_decay=0.01, max_coeff=5.0),
+  "timm decoupled": lambda: compat.timm_lamb(LR, weight_decay=0.01, decoupled_decay=True),
+  "torch_optimizer clamp": lambda: compat.torch_optimizer_lamb(LR, clamp_value=5.0),
+  "keras clipnorm, stacked": lambda: compat.keras_lamb(
+    LR, weight_decay=0.01, clipnorm=1.0, stacked_axes=STACKED
+  ),
+  "tfa decay": lambda: compat.tfa_lamb(LR, weight_decay=0.01, decay=0.1, global_clipnorm=1.0),
+}
+LOW_PRECISION = {
+  "bfloat16 params, master weights": (
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, master_weights=True),
+    jnp.bfloat16,
+  ),
+  "float16 params, master weights, skip": (
+    lambda: optax_lamb.lamb(LR, master_weights=True, skip_nonfinite=True),
+    jnp.float16,
+  ),
+}
+NARROW_MOMENTS = {
+  "bfloat16 moments": jnp.bfloat16,
+  "float16 moments, skip": jnp.float16,
+}
+
+
+def _temporaries(tx, dtype=jnp.float32, fused=False) -> tuple[int, int]:
+  """(compiled temporaries, params' bytes) of one donated step of `tx` on `SHAPES`."""
+  params = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in SHAPES.items()}
+  state = jax.eval_shape(tx.init, params)
+
+  def step(params, state, grads):
+    if fused:
+      return optax_lamb.update_and_apply(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params).compile()
+  param_bytes = sum(math.prod(s) for s in SHAPES.values()) * jnp.dtype(dtype).itemsize
+  return compiled.memory_analysis().temp_size_in_bytes, param_bytes
+
+
+def _budget(param_bytes: int) -> float:
+  return 0.01 * param_bytes + 64 * 1024
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_a_donated_step_has_no_param_sized_temporary(name):
+  temps, param_bytes = _temporaries(CONFIGURATIONS[name]())
+  assert temps <= _budget(param_bytes), (name, temps / param_bytes)
+
+
+def test_update_and_apply_has_no_param_sized_temporary():
+  temps, param_bytes = _temporaries(CONFIGURATIONS["skip, clip, stacked"](), fused=True)
+  assert temps <= _budget(param_bytes), temps / param_bytes
+
+
+def test_caution_costs_at_most_two_copies():
+  temps, param_bytes = _temporaries(compat.timm_lamb(LR, weight_decay=0.01, caution=True))
+  assert temps <= 2 * param_bytes + _budget(param_bytes), temps / param_bytes
+
+
+@pytest.mark.parametrize("name", list(LOW_PRECISION))
+def test_master_weights_stay_within_the_budget(name):
+  make, dtype = LOW_PRECISION[name]
+  temps, param_bytes = _temporaries(make(), dtype)
+  assert temps <= _budget(param_bytes), (name, temps / param_bytes)
+
+
+@pytest.mark.parametrize("name", list(NARROW_MOMENTS))
+def test_narrow_moments_cost_at_most_their_copy(name):
+  """XLA:CPU writes the moments and the params in separate fusions that read the old moments,
+  so it copies them: at most the moments' bytes beyond the budget (docs/memory.md)."""
+  dtype = NARROW_MOMENTS[name]
+  tx = optax_lamb.lamb(LR, mu_dtype=dtype, nu_dtype=dtype, skip_nonfinite="skip" in name)
+  temps, param_bytes = _temporaries(tx)
+  moment_bytes = 2 * param_bytes * jnp.dtype(dtype).itemsize // 4
+  assert temps <= moment_bytes + _budget(param_bytes), (name, temps / param_bytes)
+
+
+def test_optax_lamb_is_the_anchor():
+  """The same measure on optax.lamb: about twice the params (the check can fail)."""
+  temps, param_bytes = _temporaries(optax.lamb(LR, weight_decay=0.01))
+  assert temps > 1.5 * param_bytes
