@@ -35,7 +35,7 @@ import optax_lamb
 from benchmarks import machine, trees
 
 LR = 1e-3
-DEFAULT_OUT = os.path.join("benchmarks", "results", "memory.json")
+DEFAULT_OUT = os.path.join("benchmarks", "results", "memory", "cpu-2core.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,12 @@ CONFIGURATIONS: dict[str, Configuration] = {
   ),
   "lamb, offload (host compute)": Configuration(
     lambda: optax_lamb.offload(optax_lamb.lamb(LR, weight_decay=0.01), compute="host")
+  ),
+  "skip_nonfinite(optax.adamw) (generic wrapper)": Configuration(
+    lambda: optax_lamb.skip_nonfinite(optax.adamw(LR))
+  ),
+  "skip_nonfinite(lamb, check_results=True)": Configuration(
+    lambda: optax_lamb.skip_nonfinite(optax_lamb.lamb(LR), check_results=True)
   ),
   "keras_lamb": Configuration(lambda: optax_lamb.compat.keras_lamb(LR, weight_decay=0.01)),
   "timm_lamb, decoupled_decay": Configuration(
@@ -136,6 +142,19 @@ def measure(shapes: dict, config: Configuration) -> dict:
   }
 
 
+def summary(results: dict, tree: str = "bert-base") -> str:
+  """One line: the temporaries of a few configurations on `tree`, as multiples of the params."""
+  r = results["trees"][tree]
+  cells = ", ".join(
+    f"{name} {r[name]['temp_over_param_bytes']:.3f}x" for name in ("optax.lamb", "lamb",
+    "lamb, skip_nonfinite", "lamb, bfloat16 params, master weights") if name in r
+  )  # fmt: skip
+  return (
+    f"Compiled temporaries of one donated step ({tree}, {results['device']}, commit "
+    f"{results['commit']}, {results['date']}), as a multiple of the params' bytes: {cells}."
+  )
+
+
 def table(results: dict) -> str:
   """Markdown: one row per configuration, per tree its state and temporaries per parameter."""
   names = list(results["trees"])
@@ -185,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True)  # fmt: skip
   print(table(results))
   if args.json:
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
   return results

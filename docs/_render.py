@@ -174,6 +174,18 @@ def budget_summary(budget_path: str, full: bool) -> str:
   )
 
 
+def memory(results_dir: str, full: bool) -> str:
+  """The memory benchmark (benchmarks/memory.py): its table, or its one-line summary."""
+  from benchmarks import memory as bench
+
+  results = _load(os.path.join(results_dir, "memory", "cpu-2core.json"))
+  source = (
+    f"Measured on {results['device']}, jax {results['versions'].get('jax', '?')}, commit "
+    f"{results['commit']}, {results['date']} (`benchmarks/results/memory/cpu-2core.json`)."
+  )
+  return f"{source}\n\n{bench.table(results)}" if full else bench.summary(results)
+
+
 def _blocks(root: str) -> dict[str, dict[str, str]]:
   """File -> block name -> its content, rendered now from the committed results."""
   results = os.path.join(root, "benchmarks", "results")
@@ -183,11 +195,13 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
   return {
     "README.md": {
       "headline figures": headline(results),
+      "memory": memory(results, full=False),
       "recipe study": study_summary(study),
       "steps to target": steps_to_target(study, table=False),
       "random search": search_summary(searched, full=False),
       "longer training": budget_summary(longer, full=False),
     },
+    os.path.join("docs", "memory.md"): {"memory": memory(results, full=True)},
     os.path.join("docs", "recipe.md"): {
       "recipe study": study_report(study),
       "steps to target": steps_to_target(study, table=True),

@@ -17,6 +17,31 @@ def _to(tree: Any, space: Literal["host", "device"]) -> Any:
   return jax.tree.map(lambda x: _interop.to_memory(x, space), tree)
 
 
+def _beside(state: Any, params: Any) -> Any:
+  """`state` on the devices `params` are sharded over: a subtree shaped like `params` (the
+  moments) takes their shardings leaf by leaf, any other leaf (a step count) is replicated over
+  their mesh. `init` makes its scalars on the default device, which ``jax.jit`` would refuse
+  beside params sharded over several devices. Abstract values pass through."""
+  param_leaves, param_def = jax.tree.flatten(params)
+  shardings = [getattr(p, "sharding", None) for p in param_leaves]
+  meshes = [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
+  if not meshes or not all(isinstance(p, jax.Array) for p in param_leaves):
+    return state
+  replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+
+  def place(subtree: Any) -> Any:
+    if jax.tree.structure(subtree) == param_def and param_def.num_leaves > 1:
+      leaves = jax.tree.leaves(subtree)
+      return jax.tree.unflatten(param_def, [
+        jax.device_put(x, s) if s is not None and x.shape == p.shape else x
+        for x, s, p in zip(leaves, shardings, param_leaves, strict=True)])  # fmt: skip
+    if isinstance(subtree, jax.Array) and subtree.sharding.device_set != replicated.device_set:
+      return jax.device_put(subtree, replicated)
+    return subtree
+
+  return jax.tree.map(place, state, is_leaf=lambda x: jax.tree.structure(x) == param_def)
+
+
 def offload(
   inner: optax.GradientTransformation, *, compute: Compute = "device"
 ) -> optax.GradientTransformationExtraArgs:
@@ -38,9 +63,13 @@ def offload(
     device never holds the state. The host's speed decides the step's: on a CPU
     this is the fused XLA step (``implementation="xla"``).
 
-  Place the state where `init` puts it when restoring a checkpoint (orbax:
-  restore into ``jax.eval_shape(tx.init, params)``, whose leaves carry the
-  ``pinned_host`` memory kind). Needs a backend with host memory (GPU, TPU, and the
+  Put ``optax.MultiSteps`` inside the offload (``offload(optax.MultiSteps(lamb, k))``,
+  which offloads the gradient accumulator too): ``MultiSteps`` merges its inner state
+  with ``jnp.where``, which leaves host-memory scalars in device memory.
+
+  Restore a checkpoint into the shardings `init` gives (orbax: a target of
+  ``jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)`` for each leaf of
+  ``tx.init(params)``, whose shardings carry the ``pinned_host`` memory kind). Needs a backend with host memory (GPU, TPU, and the
   CPU, where host and device memory are the same memory: tests check placement
   and values there, speed needs an accelerator).
 
@@ -67,7 +96,7 @@ def offload(
   _interop.check_host_memory("optax_lamb.offload")
 
   def init_fn(params: Any) -> Any:
-    return _to(inner.init(params), "host")
+    return _to(_beside(inner.init(params), params), "host")
 
   def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
     if compute == "device":
