@@ -92,9 +92,10 @@ def block_sq_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
 
 def safe_sqrt(sq: jax.Array) -> jax.Array:
   """sqrt(sq), whose derivative stays finite where sq is 0 (the value there is 0): with a plain
-  sqrt the untaken zero-norm branch would make gradients through a step NaN."""
-  positive = sq > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq))), 0)
+  sqrt the untaken zero-norm branch would make gradients through a step NaN. A NaN sum stays
+  NaN: a non-finite leaf is never read as a zero norm (the zero-norm rule's ratio 1)."""
+  zero = sq == 0
+  return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, jnp.ones_like(sq), sq)))
 
 
 def suspect(sq: jax.Array) -> jax.Array:
