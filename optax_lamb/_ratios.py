@@ -283,12 +283,15 @@ def with_scaled_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[Any],
 
 
 def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax.Array:
-  """The trust ratio of each slot (1 where it does not adapt) from its sums; with `sums.scaled`,
-  exact norms where a plain sum over- or underflowed."""
+  """The trust ratio of each slot (1 where it does not adapt, or where `s.adapt_gate` is 0) from
+  its sums; with `sums.scaled`, exact norms where a plain sum over- or underflowed."""
   if sums.scaled is None:
     norms = (safe_sqrt(sums.param), safe_sqrt(sums.update))
   else:
     p_down, p_up, u_down, u_up = sums.scaled
     norms = (norm_from_sums(sums.param, p_down, p_up), norm_from_sums(sums.update, u_down, u_up))
   ratio = _leaf.trust_ratio(*norms, s)
-  return jnp.where(np.asarray(adapted, bool), ratio, jnp.ones_like(ratio))
+  on: Any = np.asarray(adapted, bool)
+  if s.adapt_gate is not None:  # apex, timm: no ratio while the weight decay is 0
+    on = jnp.logical_and(on, s.adapt_gate != 0)
+  return jnp.where(on, ratio, jnp.ones_like(ratio))
