@@ -106,8 +106,15 @@ def suspect(sq: jax.Array) -> jax.Array:
 
 def norm_from_sums(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
   """||x|| from its sums of squares at `SCALES`: the plain one where it is right (`suspect`
-  says where not), else the scaled one that is; finite derivatives throughout."""
+  says where not), else the scaled one that is; finite derivatives throughout.
+
+  A scaled sum of a finite x is never NaN, but XLA:CPU (jax 0.10.2) folds (x s)^2 into
+  x^2 s^2 for one-element leaves, and s^2 over- or underflows: 0 inf = NaN for a zero
+  scalar. A scaled norm that is NaN where the plain sum is not takes the plain sum's
+  norm (0 for a zero leaf); a NaN in x makes the plain sum NaN, and the norm NaN.
+  """
   scaled = jnp.where(jnp.isinf(plain), safe_sqrt(down) / DOWN, safe_sqrt(up) / UP)
+  scaled = jnp.where(jnp.isnan(scaled), safe_sqrt(plain), scaled)
   return jnp.where(suspect(plain), scaled, safe_sqrt(plain))
 
 

@@ -30,7 +30,6 @@ def pending(reason: str) -> pytest.MarkDecorator:
   return pytest.mark.xfail(strict=True, reason=f"issue 34, fix pending: {reason}")
 
 
-DOUBLE_UNSCALE = pending("class 2, lamb's prologue divides by the forwarded grad_scale again")
 AXIS_TUPLE = pending("class 3, check_results passes all_finite a tuple with a per-leaf axis_name")
 
 
@@ -117,7 +116,6 @@ _SCALED_BUILDERS = {
 }
 
 
-@DOUBLE_UNSCALE
 @pytest.mark.parametrize("builder", sorted(_SCALED_BUILDERS))
 def test_unscale_gradients_then_lamb_divides_once(builder):
   """Class 2: chain(unscale_gradients(), lamb) with update(..., grad_scale=s), the pattern
