@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ def earlier_chain_stages() -> list[Callable]:
   """The update functions that ran before the running one in every optax.chain (or named_chain)
   whose update is on the call stack, innermost chain first."""
   stages = []
-  frame = sys._getframe(1)
+  frame: types.FrameType | None = sys._getframe(1)
   while frame is not None:
     read = _CHAIN_STAGES.get(frame.f_code)
     if read is not None:

@@ -106,13 +106,9 @@ def suspect(sq: jax.Array) -> jax.Array:
 
 def norm_from_sums(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
   """||x|| from its sums of squares at `SCALES`: the plain one where it is right (`suspect`
-  says where not), else the scaled one that is; finite derivatives throughout.
-
-  A scaled sum of a finite x is never NaN, but XLA:CPU (jax 0.10.2) folds (x s)^2 into
-  x^2 s^2 for one-element leaves, and s^2 over- or underflows: 0 inf = NaN for a zero
-  scalar. A scaled norm that is NaN where the plain sum is not takes the plain sum's
-  norm (0 for a zero leaf); a NaN in x makes the plain sum NaN, and the norm NaN.
-  """
+  says where not), else the scaled one that is; finite derivatives throughout. A NaN x has a
+  NaN plain sum; a scaled one NaN alone comes from XLA:CPU (jax 0.10.2) folding (x s)^2 into
+  x^2 s^2 (0 inf) for a one-element leaf, which then takes the plain sum's norm."""
   scaled = jnp.where(jnp.isinf(plain), safe_sqrt(down) / DOWN, safe_sqrt(up) / UP)
   scaled = jnp.where(jnp.isnan(scaled), safe_sqrt(plain), scaled)
   return jnp.where(suspect(plain), scaled, safe_sqrt(plain))
@@ -298,7 +294,5 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax
     p_down, p_up, u_down, u_up = sums.scaled
     norms = (norm_from_sums(sums.param, p_down, p_up), norm_from_sums(sums.update, u_down, u_up))
   ratio = _leaf.trust_ratio(*norms, s)
-  on: Any = np.asarray(adapted, bool)
-  if s.adapt_gate is not None:  # apex, timm: no ratio while the weight decay is 0
-    on = jnp.logical_and(on, s.adapt_gate != 0)
-  return jnp.where(on, ratio, jnp.ones_like(ratio))
+  gate = True if s.adapt_gate is None else s.adapt_gate != 0  # apex, timm: wd 0, no ratio
+  return jnp.where(jnp.logical_and(np.asarray(adapted, bool), gate), ratio, jnp.ones_like(ratio))

@@ -223,11 +223,11 @@ def positive_or_off(value: Any, known: float | None) -> Any:
 def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
   """Keras 3: at most one clip option (ValueError); one that is not > 0 clips nothing."""
   given = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
-  known = {}
+  known: dict[str, float | None] = {}
   for name, value in given.items():
     if value is not None:
-      known[name] = _check_args.number(name, value, "a number (> 0 clips, <= 0 does not)")
-      if known[name] is not None and math.isnan(known[name]):
+      known[name] = x = _check_args.number(name, value, "a number (> 0 clips, <= 0 does not)")
+      if x is not None and math.isnan(x):
         raise ValueError(f"{name} must be a number (> 0 clips, <= 0 does not), got {name}=nan")
   if sum(v is not None for v in given.values()) > 1:
     raise ValueError(
