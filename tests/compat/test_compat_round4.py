@@ -115,6 +115,83 @@ def test_compat_under_inject_hyperparams(ctor, arg, implementation):
   _assert_close(got, want)
 
 
+# Values from which a constructor decides something (which leaves adapt, a clip that is off, a
+# clamp, the legacy decay): injected as arrays, the decision is taken at each step.
+_DECISIONS = [
+  ("apex_fused_lamb", {"weight_decay": 0.0}),  # no leaf adapts
+  ("apex_fused_lamb", {"max_grad_norm": 0.0}),  # zeroes every gradient
+  ("apex_fused_lamb", {"max_grad_norm": math.inf}),  # no clip
+  ("apex_fused_lamb", {"weight_decay": 0.0, "adam_w_mode": False}),
+  ("timm_lamb", {"weight_decay": 0.0, "decoupled_decay": True}),
+  ("timm_lamb", {"weight_decay": 0.05, "decoupled_decay": True, "corrected_weight_decay": True}),
+  ("timm_lamb", {"weight_decay": 0.0, "max_grad_norm": math.inf, "trust_clip": True}),
+  ("deepspeed_fused_lamb", {"max_coeff": 0.05, "min_coeff": 0.2}),  # r = min_coeff
+  ("deepspeed_fused_lamb", {"max_coeff": math.inf, "min_coeff": -1.0}),  # no clamp
+  ("deepspeed_fused_lamb", {"max_grad_norm": -1.0}),  # <= 0: no clip
+  ("deepspeed_fused_lamb", {"max_grad_norm": 0.3, "eps_inside_sqrt": True}),
+  ("torch_optimizer_lamb", {"clamp_value": 0.0}),  # every ratio 1
+  ("torch_optimizer_lamb", {"clamp_value": math.inf}),
+  ("keras_lamb", {"clipnorm": 0.0}),  # <= 0 clips nothing
+  ("keras_lamb", {"clipvalue": -1.0}),
+  ("keras_lamb", {"global_clipnorm": -0.5, "weight_decay": 0.1}),
+  ("tfa_lamb", {"decay": 0.0, "clipnorm": 0.0}),  # clipnorm 0 zeroes the gradients
+  ("tfa_lamb", {"global_clipnorm": 0.05, "clipvalue": 0.0}),
+  ("apex_fused_lamb", {"grad_scale": 8.0}),  # lamb's options' numbers too
+  ("keras_lamb", {"grad_scale": 8.0, "clipnorm": 0.2}),
+]  # fmt: skip
+_DECISION_CASES = [(c, kw, impl) for c, kw in _DECISIONS for impl in ("xla", "reference")]
+_DECISION_CASES += [("apex_fused_lamb", {"weight_decay": 0.0}, "pallas")]
+_DECISION_CASES += [("torch_optimizer_lamb", {"clamp_value": 0.0}, "pallas")]
+
+
+@pytest.mark.parametrize(
+  "ctor,kwargs,implementation", _DECISION_CASES, ids=lambda x: str(x).replace(" ", "")
+)
+def test_compat_decides_from_injected_values_at_each_step(ctor, kwargs, implementation):
+  """Class 1, beyond the listed arguments: what a constructor decides from a number when built,
+  it decides from an injected array's value at each step, with the same result."""
+  kwargs = {**kwargs, "implementation": IMPLEMENTATIONS[implementation]}
+  params, grads = _params(), _grads(3)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*interpret mode")
+    injected = optax.inject_hyperparams(CONSTRUCTORS[ctor])(**kwargs)
+    state = injected.init(params)
+    got = _run(injected, params, grads)
+    want = _run(CONSTRUCTORS[ctor](**kwargs), params, grads)
+  assert all(isinstance(v, jax.Array) for v in state.hyperparams.values())
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("ctor", sorted(CONSTRUCTORS))
+def test_static_args_name_lamb_options_and_callables(ctor):
+  """Class 1: lamb's keyword-only options are named in every constructor's signature, so that
+  inject_hyperparams' static_args can name a callable one (else taken for a schedule)."""
+  stacked = lambda params: {"w": 1, "b": 0}  # noqa: E731
+  kwargs = {"stacked_axes": stacked, "implementation": "xla"}
+  static = ["stacked_axes"]
+  if "weight_decay_mask" in inspect.signature(CONSTRUCTORS[ctor]).parameters:
+    kwargs["weight_decay_mask"] = lambda params: {"w": True, "b": False}
+    static.append("weight_decay_mask")
+  params, grads = _params(), _grads(3)
+  injected = optax.inject_hyperparams(CONSTRUCTORS[ctor], static_args=static)(**kwargs)
+  _assert_close(_run(injected, params, grads), _run(CONSTRUCTORS[ctor](**kwargs), params, grads))
+  want = set(_LAMB_OPTIONS)
+  assert want <= set(inspect.signature(CONSTRUCTORS[ctor]).parameters), ctor
+
+
+@pytest.mark.parametrize(
+  "ctor,arg", [("keras_lamb", "clipnorm"), ("keras_lamb", "global_clipnorm"),
+               ("deepspeed_fused_lamb", "max_grad_norm"), ("apex_fused_lamb", "max_grad_norm")],
+)  # fmt: skip
+def test_a_nan_array_threshold_is_never_read_as_off(ctor, arg):
+  """Class 1 and 2: a NaN threshold given as an array (not checkable when built) poisons the
+  step; it is never read as "clips nothing"."""
+  tx = CONSTRUCTORS[ctor](**{arg: jnp.float32(math.nan)}, implementation="xla")
+  params = _params()
+  updates, _ = jax.jit(tx.update)(_grads(1)[0], tx.init(params), params)
+  assert not any(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+
+
 # --- class 2: silent wrong results -------------------------------------------------------------
 
 # (constructor, argument, value): refused with a ValueError naming the argument. The issue's
