@@ -41,7 +41,8 @@ TRITON_DEPRECATION = (
 # extra argument of update (optax/transforms/_combining.py). Whether a stage before the running
 # one already divided by update(..., grad_scale=s) is read from the frame of the chain's update
 # on the call stack: its local `update_fns` (chain) or `transforms` (named_chain), and the stage
-# it is running, `fn` or `tx`. A chain whose locals differ yields no stage (each stage divides).
+# it is running, `fn` or `tx` (optax 0.2.6 and 0.2.8). A chain whose locals differ yields no
+# stage: each stage divides, as before.
 _CHAIN_STAGES: dict[Any, Callable[[dict], tuple[list, Any]]] = {
   optax.chain(optax.identity()).update.__code__: lambda local: (
     list(local.get("update_fns", ())),
