@@ -215,9 +215,9 @@ def is_number(x: Any) -> bool:
 def positive_or_off(value: Any, known: float | None) -> Any:
   """A threshold that clips only when > 0: None (off) for a number <= 0 (`known`, its value);
   for an array, inf where it is <= 0, decided at each step (a NaN stays NaN, never off)."""
-  if value is None or known is not None:
-    return value if known is not None and known > 0 else None
-  return jnp.where(value <= 0, jnp.inf, value)
+  if known is None and value is not None:  # an array: inf clips nothing
+    return jnp.where(value <= 0, jnp.inf, value)
+  return value if known is not None and known > 0 else None
 
 
 def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
