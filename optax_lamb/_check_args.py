@@ -41,6 +41,12 @@ def _number(name: str, value: Any, must: str, schedule: bool) -> float | None:
   raise TypeError(f"{name} must be {must}, got {name}={value!r}")
 
 
+def number(name: str, value: Any, what: str = "a number") -> float | None:
+  """`value` as a float, or None for a scalar jax array, which may be a tracer: what a
+  constructor decides from its value it then decides at each step (see the module docstring)."""
+  return _number(name, value, f"{what} or a scalar array", schedule=False)
+
+
 def _check_number(name: str, value: Any, ok, what: str, schedule: bool) -> None:
   either = ", a scalar array or a schedule (count -> value)" if schedule else " or a scalar array"
   must = what + either
@@ -154,6 +160,11 @@ def check_config(config: LambConfig) -> LambConfig:
     nu_dtype=check_float_dtype("nu_dtype", o.nu_dtype),
   )
   check_non_negative("weight_decay", h.weight_decay, schedule=True)
+  if o.adapt_if_decaying and callable(h.weight_decay):  # the gate is read as a number (_ratios)
+    raise ValueError(
+      "weight_decay must be a number or a scalar array where it decides which leaves adapt "
+      f"(apex, timm), got weight_decay={h.weight_decay!r}"
+    )
   check_per_leaf("mask", per_leaf.mask, "bool")
   return config._replace(options=options)
 

@@ -94,7 +94,10 @@ def lamb(
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
     grad_scale: divide the gradients by this loss scale before anything else: a
       positive float, an array, or a schedule on the number of updates. A dynamic
-      scale can instead be passed each step as ``update(..., grad_scale=s)``.
+      scale can instead be passed each step as ``update(..., grad_scale=s)``; inside
+      ``optax.chain`` it is divided out once, by the first stage that divides by it
+      (so after :func:`optax_lamb.unscale_gradients` lamb takes its gradients as
+      unscaled).
     master_weights: keep float32 master copies of the params in the state and run
       the LAMB math on them (:func:`optax_lamb.with_master_weights`), for
       bfloat16/float16 params.

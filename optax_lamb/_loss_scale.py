@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _leaf, _options
+from optax_lamb import _check_args, _interop, _leaf, _options
+
+_DIVIDES = "_optax_lamb_divides_by_grad_scale"  # marks the update functions that read it
 
 
 class UnscaleGradientsState(NamedTuple):
@@ -26,6 +28,22 @@ def unscale(grads: Any, grad_scale: Any) -> Any:
   return jax.tree.map(lambda g: _leaf.unscale(g, grad_scale), grads)
 
 
+def divides_by_grad_scale(update_fn: Any) -> Any:
+  """`update_fn`, marked as one that divides by ``update(..., grad_scale=s)`` (`given_scale`)."""
+  setattr(update_fn, _DIVIDES, True)
+  return update_fn
+
+
+def given_scale(given: Any) -> Any:
+  """The scale passed as ``update(..., grad_scale=s)`` for the running stage to divide by
+  (checked): `given`, or None where a stage before it in an enclosing ``optax.chain`` divides
+  by it (``optax.chain`` hands every stage every extra argument; the gradients that reach this
+  stage are unscaled already), so that it is divided out once."""
+  check_grad_scale(given)
+  earlier = _interop.earlier_chain_stages()
+  return None if any(getattr(fn, _DIVIDES, False) for fn in earlier) else given
+
+
 def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Divide the gradients by a loss scale: :math:`g \leftarrow g / s`.
 
@@ -36,6 +54,14 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
   scaler such as ``jmp.DynamicLossScale`` (pass its ``loss_scale``). Giving both
   is an error. With neither, gradients pass through unchanged. Low-precision
   gradients are returned in float32.
+
+  ``optax.chain`` hands ``grad_scale=s`` to every stage. In a chain (at any depth,
+  through wrappers such as :func:`optax_lamb.skip_nonfinite`) the scale passed to
+  ``update`` is divided out once, by the first stage that divides by it: this one,
+  :func:`optax_lamb.lamb` or a compat constructor; the later ones take their input as
+  unscaled. So ``optax.chain(unscale_gradients(), optax_lamb.lamb(...))`` divides once,
+  as ``lamb`` alone does. A scale given when a stage is built is that stage's own and
+  always divides.
 
   Args:
     grad_scale: ``None``, a positive float, a scalar array, or a schedule.
@@ -63,11 +89,11 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     del params
     given = extra_args.get("grad_scale")
-    check_grad_scale(given)
+    given = None if given is None else given_scale(given)
     scale, state = _options.grad_scale_at_step(grad_scale, given, state)
     return (updates if scale is None else unscale(updates, scale)), state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, divides_by_grad_scale(update_fn))
 
 
 def check_grad_scale(grad_scale: Any) -> None:

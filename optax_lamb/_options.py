@@ -46,6 +46,9 @@ class LambOptions:
   grad_averaging: bool = True  # False: m = b1 m + g (apex, timm)
   weight_decay_placement: DecayPlacement = "direction"
   caution: bool = False  # timm's cautious update
+  # apex, timm: an adapted leaf keeps its ratio only while the weight decay is not 0, read at
+  # each step (`StepScalars.adapt_gate`): an injected weight decay is only known then.
+  adapt_if_decaying: bool = False
   mu_dtype: np.dtype | None = None  # storage dtype of the moments (None: the param's)
   nu_dtype: np.dtype | None = None
 
@@ -105,6 +108,7 @@ class StepScalars(NamedTuple):
   trust_coefficient: Scalar = 1.0  # gamma, multiplies the clamped ratio
   ratio_eps: Scalar = 0.0  # added to ||u|| in the ratio's denominator
   take: Scalar | None = None  # the step is applied (non-zero) or skipped (0); None: always applied
+  adapt_gate: Scalar | None = None  # adapted slots get ratio 1 where this is 0; None: no gate
 
 
 def is_constant(value: Any) -> bool:

@@ -144,9 +144,10 @@ def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.
 
 def safe_sqrt(sq: jax.Array) -> jax.Array:
   """sqrt(sq), whose derivative stays finite where sq is 0 (the value there is 0): with a plain
-  sqrt the untaken zero-norm branch would make gradients through a step NaN."""
-  positive = sq > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq))), 0)
+  sqrt the untaken zero-norm branch would make gradients through a step NaN. A NaN sum stays
+  NaN: a non-finite leaf is never read as a zero norm (the zero-norm rule's ratio 1)."""
+  zero = sq == 0
+  return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, jnp.ones_like(sq), sq)))
 
 
 def suspect(sq: jax.Array) -> jax.Array:
@@ -157,8 +158,11 @@ def suspect(sq: jax.Array) -> jax.Array:
 
 def norm_from_sums(plain: jax.Array, scaled: jax.Array) -> jax.Array:
   """||x|| from its plain sum of squares where it is right (`suspect` says where not), else from
-  its sum at `rescue_scale(plain)`; finite derivatives throughout."""
+  its sum at `rescue_scale(plain)`; finite derivatives throughout. A NaN x has a NaN plain sum; a
+  scaled one NaN alone comes from XLA:CPU (jax 0.10.2) folding (x s)^2 into x^2 s^2 (0 inf) for
+  a one-element leaf, which then takes the plain sum's norm."""
   rescued = safe_sqrt(scaled) / rescue_scale(plain)
+  rescued = jnp.where(jnp.isnan(rescued), safe_sqrt(plain), rescued)
   return jnp.where(suspect(plain), rescued, safe_sqrt(plain))
 
 
@@ -259,12 +263,13 @@ def with_scaled_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[Any],
 
 
 def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax.Array:
-  """The trust ratio of each slot (1 where it does not adapt) from its sums; with `sums.scaled`,
-  exact norms where a plain sum over- or underflowed."""
+  """The trust ratio of each slot (1 where it does not adapt, or where `s.adapt_gate` is 0) from
+  its sums; with `sums.scaled`, exact norms where a plain sum over- or underflowed."""
   if sums.scaled is None:
     norms = (safe_sqrt(sums.param), safe_sqrt(sums.update))
   else:
     p_scaled, u_scaled = sums.scaled
     norms = (norm_from_sums(sums.param, p_scaled), norm_from_sums(sums.update, u_scaled))
   ratio = _leaf.trust_ratio(*norms, s)
-  return jnp.where(np.asarray(adapted, bool), ratio, jnp.ones_like(ratio))
+  gate = True if s.adapt_gate is None else s.adapt_gate != 0  # apex, timm: wd 0, no ratio
+  return jnp.where(jnp.logical_and(np.asarray(adapted, bool), gate), ratio, jnp.ones_like(ratio))

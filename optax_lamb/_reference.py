@@ -50,6 +50,7 @@ def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:
     min_ratio=h.min_trust_ratio, max_ratio=h.max_trust_ratio, mask=per_leaf.trust_ratio_mask,
     stacked_axes=per_leaf.stacked_axes, axis_name=per_leaf.axis_name,
     mask_name="trust_ratio_mask", max_param_norm=h.max_param_norm,
+    adapt_gate=h.weight_decay if o.adapt_if_decaying else None,
   )  # fmt: skip
   return clip, adam, decay, trust, optax.scale_by_learning_rate(h.learning_rate)
 

@@ -28,17 +28,19 @@ class SkipCounts(NamedTuple):
   consecutive: jax.Array
 
 
-def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+def all_finite(tree: Any, axis_name: Any = None, names_of: Any = None) -> jax.Array:
   """True when no leaf of `tree` holds a NaN or an Inf; agreed over `axis_name` if given.
 
-  `axis_name` may be per leaf (as in :func:`optax_lamb.lamb`): the count is summed
-  over every axis any leaf is sharded on, so all devices take the same decision.
+  `axis_name` may be per leaf (as in :func:`optax_lamb.lamb`), of `names_of` (default
+  `tree`): the count is summed over every axis any leaf is sharded on, so all devices
+  take the same decision.
   """
+  names = _checks.resolve_axis_names(axis_name, tree if names_of is None else names_of)
   bad = sum(
     (jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(tree)),
     jnp.zeros((), jnp.int32),
   )
-  return _agreed(bad, _checks.resolve_axis_names(axis_name, tree)) == 0
+  return _agreed(bad, names) == 0
 
 
 def _agreed(bad: jax.Array, names: list) -> jax.Array:
@@ -180,7 +182,8 @@ def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, param
                       extra_args: dict, axis_name: Any, max_errors: int | None) -> tuple:  # fmt: skip
   """`check_results`: the step computed first, then kept only where all of it is finite."""
   new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-  finite = all_finite((updates, new_updates, new_inner), axis_name)
+  # A per-leaf axis_name is the gradients' tree: the results are agreed over its axes.
+  finite = all_finite((updates, new_updates, new_inner), axis_name, names_of=updates)
   consecutive, take = decide(finite, state.consecutive, max_errors)
   new_updates, new_inner = jax.lax.cond(
     take,

@@ -30,7 +30,12 @@ from optax_lamb import (
   _registry,
   _skip,
 )
-from optax_lamb._loss_scale import UnscaleGradientsState, check_grad_scale
+from optax_lamb._loss_scale import (
+  UnscaleGradientsState,
+  check_grad_scale,
+  divides_by_grad_scale,
+  given_scale,
+)
 from optax_lamb._mixed_precision import MasterWeightsState, delta, master_copy, with_master_weights
 from optax_lamb._options import LambConfig
 
@@ -154,7 +159,8 @@ def with_prologue(
     inner: the transformation that receives checked, unscaled float32 gradients.
     who: the name errors give for the optimizer.
     grad_scale: the loss scale fixed at build time (see :func:`optax_lamb.unscale_gradients`);
-      a scale passed to ``update(..., grad_scale=s)`` is divided out too.
+      a scale passed to ``update(..., grad_scale=s)`` is divided out too, unless a stage
+      before this one in an enclosing ``optax.chain`` divided by it (`given_scale`).
     fused_apply: ``fn(grads, state, params) -> (new_params, new_state)`` computing
       ``inner.update`` + ``optax.apply_updates``; carried when no loss scale is set.
   """
@@ -183,9 +189,9 @@ def with_prologue(
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     grads, state, params = prologue(updates, state, params)
     scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
-    given = extra_args.pop("grad_scale", None)
+    given = extra_args.pop("grad_scale", None)  # not handed on: divided out here, once
     if given is not None:
-      check_grad_scale(given)
+      given = given_scale(given)
     scale, scale_state = _options.grad_scale_at_step(grad_scale, given, scale_state)
     if scale is not None:
       grads = jax.tree.map(lambda g: _leaf.unscale(g, scale), grads)
@@ -199,4 +205,4 @@ def with_prologue(
       return fused_apply(grads, state, params)
 
     update_fn.fused_apply = fused  # type: ignore[attr-defined]
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, divides_by_grad_scale(update_fn))

@@ -81,14 +81,17 @@ def trust_ratio_stage(
   axis_name: Any = None,
   mask_name: str = "mask",
   max_param_norm: Any = None,
+  adapt_gate: Any = None,
 ) -> optax.GradientTransformation:
   """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`.
 
-  `max_param_norm` clamps ||p|| in the ratio (torch_optimizer's ``clamp_value``).
+  `max_param_norm` clamps ||p|| in the ratio (torch_optimizer's ``clamp_value``); where
+  `adapt_gate` is 0 no leaf adapts (apex, timm: the weight decay, a number or an array).
   """
   s = StepScalars(
     min_ratio=min_ratio, max_ratio=max_ratio, min_norm=min_norm,
     trust_coefficient=trust_coefficient, ratio_eps=eps, max_param_norm=max_param_norm,
+    adapt_gate=adapt_gate,
   )  # fmt: skip
 
   last_layout: list[RatioLayout] = []  # of the params init last saw

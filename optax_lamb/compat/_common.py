@@ -9,7 +9,6 @@ with `make` on the core that every implementation shares.
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,13 +29,6 @@ def check_betas(name: str, betas: Any) -> tuple[Any, Any]:
   for i, beta in enumerate(betas):
     _check_args.check_in_unit_interval(f"{name}[{i}]", beta)
   return betas[0], betas[1]
-
-
-def check_number(name: str, value: Any) -> float:
-  """A Python number (the constructor decides something from it when built)."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a number, got {name}={value!r}")
-  return float(value)
 
 
 def check_mask(name: str, mask: Any) -> None:
@@ -80,16 +72,18 @@ def regex_mask(patterns: Sequence[str] | None) -> Callable[[Any], Any]:
 
 
 def keras_clipping(
-  clipnorm: Any, clipvalue: Any, axis_name: Any
+  clipnorm: Any, clipvalue: Any, lamb_options: dict
 ) -> Callable[[Any, Any], Any] | None:
   """`build`'s grad_transform for Keras' per-variable clips, or None without one.
 
-  clipvalue: g <- clip(g, -c, c); then clipnorm: g <- g min(1, c / ||g||) per leaf
-  (``c / max(||g||, c)``, Keras' and TensorFlow's clip_by_norm), the squared norm of
-  a sharded leaf summed over its mapped axes.
+  clipvalue: g <- clip(g, -c, c); then clipnorm: g <- g min(1, c / ||g||) per variable
+  (``c / max(||g||, c)``, Keras' and TensorFlow's clip_by_norm): per leaf, or per stacked
+  slice with ``stacked_axes`` (a slice is one layer's variable), the squared norm of a
+  sharded leaf summed over its mapped axes.
   """
   if clipnorm is None and clipvalue is None:
     return None
+  axis_name, stacked_axes = lamb_options["axis_name"], lamb_options["stacked_axes"]
 
   def transform(grads, params) -> Any:
     if clipvalue is not None:
@@ -98,9 +92,14 @@ def keras_clipping(
       treedef: Any
       leaves, treedef = jax.tree.flatten(grads)
       names = _checks.resolve_axis_names(axis_name, params)
-      sq = _ratios.psum_by_name([_ratios.sq_norm(g) for g in leaves], names)
-      factors = [_leaf.clip_factor(_ratios.safe_sqrt(s), clipnorm) for s in sq]
-      grads = treedef.unflatten([_leaf.clip(g, f) for g, f in zip(leaves, factors, strict=True)])
+      axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
+      sq = [_ratios.sq_norm(g, k) for g, k in zip(leaves, axes, strict=True)]
+      factors = [
+        _leaf.clip_factor(_ratios.safe_sqrt(s), clipnorm) for s in _ratios.psum_by_name(sq, names)
+      ]
+      grads = treedef.unflatten(
+        [_leaf.clip(g, _leaf.broadcast_ratio(f, g)) for g, f in zip(leaves, factors, strict=True)]
+      )
     return grads
 
   return transform
@@ -114,7 +113,8 @@ def make(
   grad_transform: Any = None,
   **config: Any,
 ) -> optax.GradientTransformationExtraArgs:
-  """The transformation of one compat constructor: its `LambConfig` fields, then lamb's options."""
+  """The transformation of one compat constructor: its `LambConfig` fields, then lamb's options
+  (`lamb_options`)."""
   _check_args.check_non_negative(learning_rate_name, learning_rate, schedule=True)
   _check_args.check_per_leaf("stacked_axes", lamb_options["stacked_axes"], "int")
   _check_args.check_axis_name("axis_name", lamb_options["axis_name"])
@@ -142,26 +142,16 @@ def make(
   )
 
 
-# The keyword arguments every constructor passes on to `lamb`, with lamb's defaults.
-LAMB_OPTIONS = dict(
-  stacked_axes=None,
-  axis_name=None,
-  implementation="auto",
-  skip_nonfinite=False,
-  grad_scale=None,
-  master_weights=False,
-)
+# lamb's keyword-only arguments that every constructor takes too, with lamb's defaults (named
+# in the signatures, so that optax.inject_hyperparams' static_args can name them).
+LAMB_OPTIONS = (
+  "stacked_axes", "axis_name", "implementation", "skip_nonfinite", "grad_scale", "master_weights"
+)  # fmt: skip
 
 
-def lamb_options(constructor: str, given: dict) -> dict:
-  """`given` (a constructor's ``**lamb_options``) over lamb's defaults; another name is a TypeError."""
-  unknown = sorted(set(given) - LAMB_OPTIONS.keys())
-  if unknown:
-    raise TypeError(
-      f"{constructor}() got an unexpected keyword argument {unknown[0]!r} (besides its library's "
-      f"arguments it takes lamb's {', '.join(LAMB_OPTIONS)})"
-    )
-  return {**LAMB_OPTIONS, **given}
+def lamb_options(arguments: dict) -> dict:
+  """lamb's options among a constructor's `arguments` (its ``locals()``), for `make`."""
+  return {name: arguments[name] for name in LAMB_OPTIONS}
 
 
 def check_torch_style(arguments: dict, flags: tuple[str, ...]) -> dict:
@@ -193,16 +183,22 @@ def check_torch_style(arguments: dict, flags: tuple[str, ...]) -> dict:
 NO_LEAF = False  # a trust_ratio_mask prefix that matches every leaf: no leaf adapts
 
 
-def adapted_unless_undecayed(always: bool, weight_decay: float, weight_decay_mask: Any) -> Any:
-  """apex and timm: a leaf adapts iff its group's weight decay is not 0, or always."""
+def adaptation(always: bool, weight_decay: float | None, weight_decay_mask: Any) -> dict:
+  """apex and timm: a leaf adapts iff its group's weight decay is not 0, or always; `make`'s
+  keywords. `weight_decay` is its value, or None for an array: decided at each step then."""
   if always:
-    return None
-  return weight_decay_mask if weight_decay != 0 else NO_LEAF
+    return dict(trust_ratio_mask=None)
+  if weight_decay is None:
+    return dict(trust_ratio_mask=weight_decay_mask, adapt_if_decaying=True)
+  return dict(trust_ratio_mask=weight_decay_mask if weight_decay != 0 else NO_LEAF)
 
 
-def torch_clip(max_grad_norm: Any, library: str) -> float | None:
-  """apex's and timm's max_grad_norm: g / max(G / c, 1); 0 zeroes every gradient; inf: none."""
-  value = check_number("max_grad_norm", max_grad_norm)
+def torch_clip(max_grad_norm: Any, library: str) -> Any:
+  """apex's and timm's max_grad_norm: g / max(G / c, 1); 0 zeroes every gradient; inf: none
+  (an array's value acts alike at each step: `_leaf.clip_factor`)."""
+  value = _check_args.number("max_grad_norm", max_grad_norm)
+  if value is None:
+    return max_grad_norm
   if not value >= 0.0:
     raise ValueError(
       f"max_grad_norm must be a number >= 0 (0 zeroes every gradient, as {library} does; a "
@@ -216,17 +212,26 @@ def is_number(x: Any) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def positive_or_off(value: Any, known: float | None) -> Any:
+  """A threshold that clips only when > 0: None (off) for a number <= 0 (`known`, its value);
+  for an array, inf where it is <= 0, decided at each step (a NaN stays NaN, never off)."""
+  if known is None and value is not None:  # an array: inf clips nothing
+    return jnp.where(value <= 0, jnp.inf, value)
+  return value if known is not None and known > 0 else None
+
+
 def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
   """Keras 3: at most one clip option (ValueError); one that is not > 0 clips nothing."""
   given = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
+  known: dict[str, float | None] = {}
   for name, value in given.items():
-    if value is not None and math.isnan(check_number(name, value)):
-      raise ValueError(f"{name} must be a number (> 0 clips, <= 0 does not), got {name}=nan")
+    if value is not None:
+      known[name] = x = _check_args.number(name, value, "a number (> 0 clips, <= 0 does not)")
+      if x is not None and math.isnan(x):
+        raise ValueError(f"{name} must be a number (> 0 clips, <= 0 does not), got {name}=nan")
   if sum(v is not None for v in given.values()) > 1:
     raise ValueError(
       "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
       f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
     )
-  return {
-    name: (value if value is not None and value > 0 else None) for name, value in given.items()
-  }
+  return {name: positive_or_off(value, known.get(name)) for name, value in given.items()}

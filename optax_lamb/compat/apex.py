@@ -6,6 +6,8 @@ from typing import Any
 
 import optax
 
+from optax_lamb import _check_args
+from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 _FLAGS = ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")  # the bool arguments
@@ -25,7 +27,12 @@ def apex_fused_lamb(
   *,
   weight_decay_mask: Any = None,
   set_grad_none: bool = True,
-  **lamb_options: Any,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Implementation = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``apex.optimizers.FusedLAMB``, the optimizer of NVIDIA's BERT recipe.
 
@@ -44,26 +51,31 @@ def apex_fused_lamb(
 
   A leaf gets the trust ratio only where its group's weight decay is not 0
   (``weight_decay != 0`` and ``weight_decay_mask`` True), or everywhere with
-  ``use_nvlamb``; elsewhere r = 1.
+  ``use_nvlamb``; elsewhere r = 1. A weight decay given as an array (as
+  ``optax.inject_hyperparams`` passes it) decides this at each step.
 
   Args:
     lr: learning rate, a float >= 0 or an optax schedule.
     bias_correction: divide m and v by 1 - b^t inside u.
     betas: (b1, b2), each in [0, 1).
     eps: added to sqrt(v / bc2).
-    weight_decay: lambda, a number >= 0 (decides which leaves adapt when built).
+    weight_decay: lambda, a number >= 0 or a scalar array (decides which leaves adapt).
     amsgrad: apex refuses True (RuntimeError), and so does this.
     adam_w_mode: True: decay inside u (AdamW style); False: L2 added to the
       clipped gradient before the moments.
     grad_averaging: scale g by 1 - b1 in m.
-    max_grad_norm: c, a number >= 0; 0 zeroes every gradient as apex does.
+    max_grad_norm: c, a number >= 0 or a scalar array; 0 zeroes every gradient as apex does.
       ``None`` is a TypeError (apex fails with one in its kernel call); a
       negative c (apex: every gradient's sign flipped) is a ValueError.
     use_nvlamb: every leaf adapts, decayed or not.
     weight_decay_mask: torch's parameter groups (see the module docstring).
     set_grad_none: accepted and ignored (apex zeroes torch gradient buffers with it).
-    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
-      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -73,16 +85,14 @@ def apex_fused_lamb(
     raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
   if max_grad_norm is None:
     raise TypeError("max_grad_norm must be a number (apex's kernel needs one), got None")
-  weight_decay = _common.check_number("weight_decay", weight_decay)
+  decay = _check_args.number("weight_decay", weight_decay)  # None: an array, read each step
   torch_style = _common.check_torch_style(locals(), _FLAGS)
   return _common.make(
     **torch_style,
+    **_common.adaptation(use_nvlamb, decay, torch_style["mask"]),
     weight_decay_placement="direction" if adam_w_mode else "gradient",
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
-    trust_ratio_mask=_common.adapted_unless_undecayed(
-      use_nvlamb, weight_decay, torch_style["mask"]
-    ),
     max_grad_norm=_common.torch_clip(max_grad_norm, "apex"),
-    lamb_options=_common.lamb_options("apex_fused_lamb", lamb_options),
+    lamb_options=_common.lamb_options(locals()),
   )

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 
+from optax_lamb import _check_args
+from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 _FLAGS = ("eps_inside_sqrt", "bias_correction")  # the bool arguments
@@ -27,7 +30,12 @@ def deepspeed_fused_lamb(
   amsgrad: bool = False,
   *,
   weight_decay_mask: Any = None,
-  **lamb_options: Any,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Implementation = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``deepspeed.ops.lamb.FusedLamb``.
 
@@ -64,13 +72,17 @@ def deepspeed_fused_lamb(
     eps: added to sqrt(v), or inside it with ``eps_inside_sqrt``.
     eps_inside_sqrt: u = m / sqrt(v + eps).
     weight_decay: lambda >= 0, added to u on decayed leaves.
-    max_grad_norm: c; 0 or less: no clipping.
+    max_grad_norm: c; 0 or less: no clipping (a scalar array: decided at each step).
     max_coeff: upper clamp of the trust ratio (``inf``: none).
     min_coeff: lower clamp of the trust ratio.
     amsgrad: DeepSpeed refuses True (RuntimeError), and so does this.
     weight_decay_mask: torch's parameter groups (see the module docstring).
-    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
-      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -78,26 +90,33 @@ def deepspeed_fused_lamb(
   if amsgrad:
     raise RuntimeError("FusedLamb does not support the AMSGrad variant.")
   torch_style = _common.check_torch_style(locals(), _FLAGS)
-  clip = _common.check_number("max_grad_norm", max_grad_norm)
-  if math.isnan(clip):
+  clip = _check_args.number("max_grad_norm", max_grad_norm)  # each None: an array
+  if clip is not None and math.isnan(clip):
     raise ValueError(f"max_grad_norm must be a number, got max_grad_norm={max_grad_norm!r}")
-  high, low = (
-    _common.check_number("max_coeff", max_coeff),
-    _common.check_number("min_coeff", min_coeff),
-  )
-  if not high >= 0.0:
+  high, low = _check_args.number("max_coeff", max_coeff), _check_args.number("min_coeff", min_coeff)
+  if high is not None and not high >= 0.0:
     raise ValueError(f"max_coeff must be >= 0 (r > 0), got max_coeff={max_coeff!r}")
-  if not -math.inf < low < math.inf:
+  if low is not None and not -math.inf < low < math.inf:
     raise ValueError(f"min_coeff must be a finite number, got min_coeff={min_coeff!r}")
-  high = max(high, low)  # min_coeff > max_coeff: DeepSpeed clamps with max, then min: r = min_coeff
+  min_ratio, max_ratio = _ratio_clamps(max_coeff, high, min_coeff, low)
   return _common.make(
     **{**torch_style, "eps": 0.0 if eps_inside_sqrt else eps},
     eps_root=eps if eps_inside_sqrt else 0.0,
     bias_correction=bias_correction,
     bias_correction_placement="step_size",
-    min_trust_ratio=low if low > 0 else None,
-    max_trust_ratio=None if high == math.inf else high,
-    max_grad_norm=clip if clip > 0 else None,
+    min_trust_ratio=min_ratio,
+    max_trust_ratio=max_ratio,
+    max_grad_norm=_common.positive_or_off(max_grad_norm, clip),
     clip_norm_eps=DEEPSPEED_CLIP_EPS,
-    lamb_options=_common.lamb_options("deepspeed_fused_lamb", lamb_options),
+    lamb_options=_common.lamb_options(locals()),
   )
+
+
+def _ratio_clamps(max_coeff: Any, high: float | None, min_coeff: Any, low: float | None) -> tuple:
+  """DeepSpeed's max(min(r, max_coeff), min_coeff) as lamb's clamps of r >= 0:
+  (max(min_coeff, 0), max(max_coeff, min_coeff)) (min_coeff > max_coeff: r = min_coeff). With
+  both values known (`high`, `low`) a clamp that clamps nothing is None; arrays act at each step."""
+  if high is None or low is None:
+    return jnp.maximum(min_coeff, 0.0), jnp.maximum(max_coeff, min_coeff)
+  high = max(high, low)
+  return (low if low > 0 else None), (None if high == math.inf else high)

@@ -7,6 +7,7 @@ from typing import Any
 import optax
 
 from optax_lamb import _check_args
+from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 
@@ -21,7 +22,12 @@ def keras_lamb(
   clipnorm: float | None = None,
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
-  **lamb_options: Any,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Implementation = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``keras.optimizers.Lamb`` (Keras 3).
 
@@ -39,7 +45,7 @@ def keras_lamb(
       either is 0)}
 
   Every leaf adapts. At most one of Keras' gradient clips acts first:
-  ``global_clipnorm`` (g min(1, c / G)), ``clipnorm`` (per leaf, g c / max(||g||, c))
+  ``global_clipnorm`` (g min(1, c / G)), ``clipnorm`` (per variable, g c / max(||g||, c))
   or ``clipvalue`` (clip(g, -c, c)); one that is not > 0 clips nothing, as in Keras.
   The bias corrections take b^t in float32, as Keras does for float32 variables.
 
@@ -59,11 +65,17 @@ def keras_lamb(
     epsilon: added to sqrt(v / bc2), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda >= 0, or None: no decay.
     weight_decay_mask: which leaves decay (see the module docstring); None: all.
-    clipnorm: per-leaf clip threshold.
+    clipnorm: per-variable clip threshold: per leaf, or per stacked slice with
+      ``stacked_axes`` (one layer's variable).
     clipvalue: elementwise clip threshold.
-    global_clipnorm: global-norm clip threshold.
-    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
-      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
+    global_clipnorm: global-norm clip threshold. A clip threshold given as a scalar array
+      (``optax.inject_hyperparams``) clips nothing at the steps where it is <= 0.
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -80,6 +92,7 @@ def keras_lamb(
   if weight_decay is not None:
     _check_args.check_non_negative("weight_decay", weight_decay)
   _common.check_mask("weight_decay_mask", weight_decay_mask)
+  options = _common.lamb_options(locals())
   return _common.make(
     learning_rate=learning_rate,
     learning_rate_name="learning_rate",
@@ -91,8 +104,6 @@ def keras_lamb(
     weight_decay_placement="params",
     bias_correction=True,
     max_grad_norm=clips["global_clipnorm"],
-    grad_transform=_common.keras_clipping(
-      clips["clipnorm"], clips["clipvalue"], lamb_options.get("axis_name")
-    ),
-    lamb_options=_common.lamb_options("keras_lamb", lamb_options),
+    grad_transform=_common.keras_clipping(clips["clipnorm"], clips["clipvalue"], options),
+    lamb_options=options,
   )

@@ -8,12 +8,14 @@ from typing import Any
 import optax
 
 from optax_lamb import _check_args
+from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 
-def _inverse_time_decay(learning_rate: Any, decay: float) -> Any:
-  """Keras 2's legacy ``decay``: lr_t = learning_rate(count) / (1 + decay count)."""
-  if not decay > 0:
+def _inverse_time_decay(learning_rate: Any, decay: Any, known: float | None) -> Any:
+  """Keras 2's legacy ``decay``: lr_t = learning_rate(count) / (1 + decay count); the learning
+  rate as given where `decay` is the number 0 (`known`, its value; None for an array)."""
+  if known == 0:
     return learning_rate
   value = lambda count: learning_rate(count) if callable(learning_rate) else learning_rate
   return lambda count: value(count) / (1.0 + decay * count)
@@ -21,11 +23,10 @@ def _inverse_time_decay(learning_rate: Any, decay: float) -> Any:
 
 def _check_keyword(name: str, value: Any) -> None:
   """A clip threshold or decay: a number, not NaN (TF lets NaN through to NaN params or no
-  clipping), and a finite decay (inf gives NaN params from the second step)."""
-  if getattr(value, "ndim", None) == 0 and hasattr(value, "dtype"):
-    return  # a scalar array (inject_hyperparams, maybe traced): not read when built
-  number = _common.check_number(name, value)
-  if math.isnan(number) or (name == "decay" and math.isinf(number)):
+  clipping), and a finite decay (inf gives NaN params from the second step). A scalar array
+  (``optax.inject_hyperparams``, maybe traced) is checked for shape and dtype only."""
+  number = _check_args.number(name, value)
+  if number is not None and (math.isnan(number) or (name == "decay" and math.isinf(number))):
     what = "a finite number >= 0" if name == "decay" else "a number >= 0"
     raise ValueError(f"{name} must be {what}, got {name}={value!r}")
 
@@ -44,7 +45,12 @@ def tfa_lamb(
   clipnorm: float | None = None,
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
-  **lamb_options: Any,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Implementation = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``tensorflow_addons.optimizers.LAMB`` (TF Addons 0.23.0, Keras 2.15's legacy optimizer).
 
@@ -63,9 +69,10 @@ def tfa_lamb(
   The exclusions are lists of regexes ``re.search``'ed in each leaf's path, its
   keys joined by '/' (``{'dense': {'bias': b}}``: 'dense/bias').
   ``exclude_from_layer_adaptation`` None or empty takes the weight-decay list.
-  Clips, in TF's order: ``clipvalue``, then ``clipnorm`` (per leaf), then
-  ``global_clipnorm``; ``lr`` is TF's old name of ``learning_rate`` (it wins
-  when given), ``decay`` its inverse-time decay of the learning rate.
+  Clips, in TF's order: ``clipvalue``, then ``clipnorm`` (per variable: per leaf,
+  or per stacked slice), then ``global_clipnorm``; ``lr`` is TF's old name of
+  ``learning_rate`` (it wins when given), ``decay`` its inverse-time decay of the
+  learning rate.
 
   Decisions and differences: TF matches the regexes against the variable name
   'dense/bias:0', here against 'dense/bias'; a pattern anchored with '$'
@@ -84,11 +91,16 @@ def tfa_lamb(
     exclude_from_layer_adaptation: regexes of the paths that get no trust ratio.
     lr: the old name of learning_rate, >= 0.
     decay: inverse-time decay of the learning rate, >= 0.
-    clipnorm: per-leaf clip threshold, >= 0 (not with global_clipnorm).
+    clipnorm: per-variable clip threshold, >= 0 (not with global_clipnorm): per leaf, or per
+      stacked slice with ``stacked_axes`` (one layer's variable).
     clipvalue: elementwise clip threshold, >= 0.
     global_clipnorm: global-norm clip threshold, >= 0.
-    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
-      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -119,13 +131,14 @@ def tfa_lamb(
   _check_args.check_in_unit_interval("beta_2", beta_2)
   _check_args.check_non_negative("epsilon", epsilon)
   _check_args.check_non_negative("weight_decay", weight_decay)
-  _common.check_number("decay", decay)
+  known_decay = _check_args.number("decay", decay)
   learning_rate = learning_rate if lr is None else lr
   _check_args.check_non_negative(
     "lr" if lr is not None else "learning_rate", learning_rate, schedule=True
   )
+  options = _common.lamb_options(locals())
   return _common.make(
-    learning_rate=_inverse_time_decay(learning_rate, decay),
+    learning_rate=_inverse_time_decay(learning_rate, decay, known_decay),
     learning_rate_name="learning_rate",
     b1=beta_1,
     b2=beta_2,
@@ -135,6 +148,6 @@ def tfa_lamb(
     bias_correction=True,
     trust_ratio_mask=_common.regex_mask(exclude_from_layer_adaptation or exclude_from_weight_decay),
     max_grad_norm=global_clipnorm,
-    grad_transform=_common.keras_clipping(clipnorm, clipvalue, lamb_options.get("axis_name")),
-    lamb_options=_common.lamb_options("tfa_lamb", lamb_options),
+    grad_transform=_common.keras_clipping(clipnorm, clipvalue, options),
+    lamb_options=options,
   )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from optax_lamb import _check_args
+from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 _FLAGS = (
@@ -42,7 +44,12 @@ def timm_lamb(
   *,
   weight_decay_mask: Any = None,
   base_lr: float | None = None,
-  **lamb_options: Any,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Implementation = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``timm.optim.Lamb``.
 
@@ -77,7 +84,8 @@ def timm_lamb(
     bias_correction: divide m and v by 1 - b^t inside u.
     betas: (b1, b2), each in [0, 1).
     eps: added to sqrt(v) / sqrt(bc2), > 0 (0 would give 0 / 0 where g = 0).
-    weight_decay: lambda, a number >= 0 (decides which leaves adapt when built).
+    weight_decay: lambda, a number >= 0 or a scalar array (decides which leaves adapt; an
+      array, as ``optax.inject_hyperparams`` passes it, at each step).
     grad_averaging: scale g by 1 - b1 in m.
     max_grad_norm: c >= 0, or None: no clipping.
     trust_clip: clamp the trust ratio at 1.
@@ -86,9 +94,15 @@ def timm_lamb(
     decoupled_decay: shrink p by s lambda p before the step, outside the ratio.
     corrected_weight_decay: s = eta_t^2 / eta_0 instead of eta_t.
     weight_decay_mask: torch's parameter groups (see the module docstring).
-    base_lr: eta_0 for ``corrected_weight_decay`` with a schedule as ``lr``.
-    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
-      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
+    base_lr: eta_0 for ``corrected_weight_decay`` with a schedule as ``lr``, or with an
+      ``lr`` that ``optax.inject_hyperparams`` changes during the run (without it, the
+      injected lr of each step is its own base).
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -96,14 +110,18 @@ def timm_lamb(
   _timm_validate("learning rate", lr, "lr")
   _timm_validate("epsilon", eps, "eps")
   _timm_validate("weight_decay", weight_decay, "weight_decay")
-  weight_decay = _common.check_number("weight_decay", weight_decay)
+  decay = _check_args.number("weight_decay", weight_decay)  # None: an array, read each step
   torch_style = _common.check_torch_style(locals(), _FLAGS)
   clip = None if max_grad_norm is None else _common.torch_clip(max_grad_norm, "timm")
-  decoupled = decoupled_decay and weight_decay != 0
+  # An array weight decay takes the decoupled placement: where it is 0 the decay is 0 p.
+  decoupled = decoupled_decay and (decay is None or decay != 0)
   corrected = decoupled and corrected_weight_decay
   if base_lr is not None:
-    if not callable(lr):
-      raise ValueError(f"base_lr is for an lr schedule; a float lr is its own base, got lr={lr!r}")
+    if not (callable(lr) or isinstance(lr, jax.Array)):
+      raise ValueError(
+        f"base_lr is for an lr schedule or an injected (array) lr; a float lr is its own base, "
+        f"got lr={lr!r}"
+      )
     _check_args.check_positive("base_lr", base_lr)
   elif corrected:
     if callable(lr):
@@ -114,15 +132,13 @@ def timm_lamb(
     base_lr = lr
   return _common.make(
     **torch_style,
+    **_common.adaptation(always_adapt, decay, torch_style["mask"]),
     weight_decay_placement="params" if decoupled else "direction",
     decay_base_lr=base_lr if corrected else None,
     bias_correction=bias_correction,
     grad_averaging=grad_averaging,
-    trust_ratio_mask=_common.adapted_unless_undecayed(
-      always_adapt, weight_decay, torch_style["mask"]
-    ),
     max_trust_ratio=1.0 if trust_clip else None,
     max_grad_norm=clip,
     caution=caution,
-    lamb_options=_common.lamb_options("timm_lamb", lamb_options),
+    lamb_options=_common.lamb_options(locals()),
   )

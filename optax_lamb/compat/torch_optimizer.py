@@ -7,6 +7,8 @@ from typing import Any
 
 import optax
 
+from optax_lamb import _check_args
+from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 _FLAGS = ("adam", "debias")  # the bool arguments
@@ -22,7 +24,12 @@ def torch_optimizer_lamb(
   debias: bool = False,
   *,
   weight_decay_mask: Any = None,
-  **lamb_options: Any,
+  stacked_axes: Any = None,
+  axis_name: Any = None,
+  implementation: Implementation = "auto",
+  skip_nonfinite: bool = False,
+  grad_scale: Any = None,
+  master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``torch_optimizer.Lamb`` (pytorch-optimizer).
 
@@ -43,12 +50,16 @@ def torch_optimizer_lamb(
     betas: (b1, b2), each in [0, 1) (ValueError otherwise, as torch_optimizer).
     eps: added to sqrt(v), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda >= 0, added to u on decayed leaves.
-    clamp_value: upper clamp of ||p|| in the ratio, >= 0 (``inf``: none).
+    clamp_value: upper clamp of ||p|| in the ratio, >= 0 (``inf``: none), or a scalar array.
     adam: no trust ratio (r = 1 for every leaf).
     debias: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
     weight_decay_mask: torch's parameter groups (see the module docstring).
-    **lamb_options: stacked_axes, axis_name, implementation, skip_nonfinite, grad_scale,
-      master_weights, as in :func:`optax_lamb.lamb` (keyword only).
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
@@ -63,8 +74,8 @@ def torch_optimizer_lamb(
       raise ValueError(f"Invalid beta parameter at index {i}: {beta} (betas={betas!r})")
   if _common.is_number(weight_decay) and not weight_decay >= 0:
     raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay={weight_decay!r})")
-  clamp = _common.check_number("clamp_value", clamp_value)
-  if not clamp >= 0.0:
+  clamp = _check_args.number("clamp_value", clamp_value)  # None: an array (inf, 0 act alike)
+  if clamp is not None and not clamp >= 0.0:
     raise ValueError(f"Invalid clamp value: {clamp_value} (clamp_value={clamp_value!r})")
   torch_style = _common.check_torch_style(locals(), _FLAGS)
   return _common.make(
@@ -72,6 +83,6 @@ def torch_optimizer_lamb(
     bias_correction=debias,
     bias_correction_placement="step_size",
     trust_ratio_mask=_common.NO_LEAF if adam else None,
-    max_param_norm=None if clamp == math.inf else clamp,
-    lamb_options=_common.lamb_options("torch_optimizer_lamb", lamb_options),
+    max_param_norm=clamp_value if clamp is None else (None if clamp == math.inf else clamp),
+    lamb_options=_common.lamb_options(locals()),
   )

@@ -65,7 +65,11 @@ def test_refuses_what_the_library_refuses(library, name):
     ("apex", {"max_grad_norm": None}, TypeError, "max_grad_norm"),
     ("apex", {"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
     ("timm", {"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
-    ("apex", {"weight_decay": jnp.asarray(0.1)}, TypeError, "weight_decay"),
+    # A scalar array is taken (issue 34: optax.inject_hyperparams); one of another shape is not.
+    ("apex", {"weight_decay": jnp.asarray([0.1, 0.2])}, TypeError, "weight_decay"),
+    ("deepspeed", {"max_coeff": jnp.ones(2)}, TypeError, "max_coeff"),
+    ("keras", {"clipnorm": jnp.ones(2)}, TypeError, "clipnorm"),
+    ("tfa", {"decay": jnp.ones(2)}, TypeError, "decay"),
     ("timm", {"lr": optax.constant_schedule(0.1), **_CORRECTED}, ValueError, "base_lr"),
     ("timm", {"lr": 0.1, "base_lr": 0.1}, ValueError, "base_lr"),
     ("deepspeed", {"max_coeff": -1.0}, ValueError, "max_coeff"),

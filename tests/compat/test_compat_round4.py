@@ -1,9 +1,6 @@
 """Issue 34 ("Reliability round 4"), failure classes 1, 2 and 4 for the compat constructors.
 
-Written before the fixes, from f5df42e: each docstring names its class. The cases that still
-fail are marked `pending` (a strict xfail: the fix must remove the mark); those of class 4 and
-the NaN refusals of class 2 pass since the argument checks in optax_lamb/compat were fixed
-beside them. lamb's own cases and the wrappers' are in tests/stages/test_stages_round4.py.
+Written before the fixes, from f5df42e, where they fail (each docstring names its class). lamb's own cases and the wrappers' are in tests/stages/test_stages_round4.py.
 """
 
 from __future__ import annotations
@@ -21,17 +18,12 @@ import pytest
 from helpers.implementations import TINY_BLOCKS
 
 from optax_lamb import compat
-from optax_lamb.backends.pallas import PallasBackend
+from optax_lamb.backends.pallas_triton import PallasTritonBackend as PallasBackend
 
 PALLAS = PallasBackend(block_sizes=TINY_BLOCKS, interpret=True)
 IMPLEMENTATIONS = {"xla": "xla", "reference": "reference", "pallas": PALLAS}
 RTOL = 1e-5  # float32 arrays (injected) against Python floats (built in)
 CONSTRUCTORS = {name: getattr(compat, name) for name in compat.__all__}
-
-
-def pending(reason: str) -> pytest.MarkDecorator:
-  """A case that fails until its fix lands: strict, so the fix must remove the mark."""
-  return pytest.mark.xfail(strict=True, reason=f"issue 34, fix pending: {reason}")
 
 
 def _params() -> dict:
@@ -100,7 +92,6 @@ _LEARNING_RATE = {name: ("learning_rate" if "learning_rate" in n else "lr") for 
 _INJECTED += [(ctor, _LEARNING_RATE[ctor], "pallas") for ctor in NUMBERS]
 
 
-@pending("class 1, numeric arguments read as Python numbers when built; **lamb_options")
 @pytest.mark.parametrize("ctor,arg,implementation", _INJECTED)
 def test_compat_under_inject_hyperparams(ctor, arg, implementation):
   """Class 1: a compat constructor under optax.inject_hyperparams, one numeric argument given
@@ -114,6 +105,83 @@ def test_compat_under_inject_hyperparams(ctor, arg, implementation):
     got = _run(injected, params, grads)
     want = _run(CONSTRUCTORS[ctor](**kwargs), params, grads)
   _assert_close(got, want)
+
+
+# Values from which a constructor decides something (which leaves adapt, a clip that is off, a
+# clamp, the legacy decay): injected as arrays, the decision is taken at each step.
+_DECISIONS = [
+  ("apex_fused_lamb", {"weight_decay": 0.0}),  # no leaf adapts
+  ("apex_fused_lamb", {"max_grad_norm": 0.0}),  # zeroes every gradient
+  ("apex_fused_lamb", {"max_grad_norm": math.inf}),  # no clip
+  ("apex_fused_lamb", {"weight_decay": 0.0, "adam_w_mode": False}),
+  ("timm_lamb", {"weight_decay": 0.0, "decoupled_decay": True}),
+  ("timm_lamb", {"weight_decay": 0.05, "decoupled_decay": True, "corrected_weight_decay": True}),
+  ("timm_lamb", {"weight_decay": 0.0, "max_grad_norm": math.inf, "trust_clip": True}),
+  ("deepspeed_fused_lamb", {"max_coeff": 0.05, "min_coeff": 0.2}),  # r = min_coeff
+  ("deepspeed_fused_lamb", {"max_coeff": math.inf, "min_coeff": -1.0}),  # no clamp
+  ("deepspeed_fused_lamb", {"max_grad_norm": -1.0}),  # <= 0: no clip
+  ("deepspeed_fused_lamb", {"max_grad_norm": 0.3, "eps_inside_sqrt": True}),
+  ("torch_optimizer_lamb", {"clamp_value": 0.0}),  # every ratio 1
+  ("torch_optimizer_lamb", {"clamp_value": math.inf}),
+  ("keras_lamb", {"clipnorm": 0.0}),  # <= 0 clips nothing
+  ("keras_lamb", {"clipvalue": -1.0}),
+  ("keras_lamb", {"global_clipnorm": -0.5, "weight_decay": 0.1}),
+  ("tfa_lamb", {"decay": 0.0, "clipnorm": 0.0}),  # clipnorm 0 zeroes the gradients
+  ("tfa_lamb", {"global_clipnorm": 0.05, "clipvalue": 0.0}),
+  ("apex_fused_lamb", {"grad_scale": 8.0}),  # lamb's options' numbers too
+  ("keras_lamb", {"grad_scale": 8.0, "clipnorm": 0.2}),
+]  # fmt: skip
+_DECISION_CASES = [(c, kw, impl) for c, kw in _DECISIONS for impl in ("xla", "reference")]
+_DECISION_CASES += [("apex_fused_lamb", {"weight_decay": 0.0}, "pallas")]
+_DECISION_CASES += [("torch_optimizer_lamb", {"clamp_value": 0.0}, "pallas")]
+
+
+@pytest.mark.parametrize(
+  "ctor,kwargs,implementation", _DECISION_CASES, ids=lambda x: str(x).replace(" ", "")
+)
+def test_compat_decides_from_injected_values_at_each_step(ctor, kwargs, implementation):
+  """Class 1, beyond the listed arguments: what a constructor decides from a number when built,
+  it decides from an injected array's value at each step, with the same result."""
+  kwargs = {**kwargs, "implementation": IMPLEMENTATIONS[implementation]}
+  params, grads = _params(), _grads(3)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*interpret mode")
+    injected = optax.inject_hyperparams(CONSTRUCTORS[ctor])(**kwargs)
+    state = injected.init(params)
+    got = _run(injected, params, grads)
+    want = _run(CONSTRUCTORS[ctor](**kwargs), params, grads)
+  assert all(isinstance(v, jax.Array) for v in state.hyperparams.values())
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("ctor", sorted(CONSTRUCTORS))
+def test_static_args_name_lamb_options_and_callables(ctor):
+  """Class 1: lamb's keyword-only options are named in every constructor's signature, so that
+  inject_hyperparams' static_args can name a callable one (else taken for a schedule)."""
+  stacked = lambda params: {"w": 1, "b": 0}  # noqa: E731
+  kwargs = {"stacked_axes": stacked, "implementation": "xla"}
+  static = ["stacked_axes"]
+  if "weight_decay_mask" in inspect.signature(CONSTRUCTORS[ctor]).parameters:
+    kwargs["weight_decay_mask"] = lambda params: {"w": True, "b": False}
+    static.append("weight_decay_mask")
+  params, grads = _params(), _grads(3)
+  injected = optax.inject_hyperparams(CONSTRUCTORS[ctor], static_args=static)(**kwargs)
+  _assert_close(_run(injected, params, grads), _run(CONSTRUCTORS[ctor](**kwargs), params, grads))
+  want = set(_LAMB_OPTIONS)
+  assert want <= set(inspect.signature(CONSTRUCTORS[ctor]).parameters), ctor
+
+
+@pytest.mark.parametrize(
+  "ctor,arg", [("keras_lamb", "clipnorm"), ("keras_lamb", "global_clipnorm"),
+               ("deepspeed_fused_lamb", "max_grad_norm"), ("apex_fused_lamb", "max_grad_norm")],
+)  # fmt: skip
+def test_a_nan_array_threshold_is_never_read_as_off(ctor, arg):
+  """Class 1 and 2: a NaN threshold given as an array (not checkable when built) poisons the
+  step; it is never read as "clips nothing"."""
+  tx = CONSTRUCTORS[ctor](**{arg: jnp.float32(math.nan)}, implementation="xla")
+  params = _params()
+  updates, _ = jax.jit(tx.update)(_grads(1)[0], tx.init(params), params)
+  assert not any(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
 
 
 # --- class 2: silent wrong results -------------------------------------------------------------
@@ -140,7 +208,6 @@ def test_nonfinite_clip_and_decay_values_are_refused(ctor, arg, value):
     CONSTRUCTORS[ctor](**{arg: value})
 
 
-@pending("class 2, per-variable clipnorm clips the whole stacked leaf (or document per leaf)")
 @pytest.mark.parametrize("ctor", ["keras_lamb", "tfa_lamb"])
 def test_per_variable_clipnorm_clips_each_stacked_layer(ctor):
   """Class 2: with stacked_axes, Keras' and TF Addons' per-variable clipnorm must compute what a
@@ -196,6 +263,8 @@ def _bad_values(ctor: str) -> list[tuple[str, object]]:
   cases = []
   for p in inspect.signature(CONSTRUCTORS[ctor]).parameters.values():
     if p.kind is p.VAR_KEYWORD or p.name in ("weight_decay_mask", "set_grad_none"):
+      continue
+    if p.name in _LAMB_OPTIONS:  # lamb's keyword-only options: their bad values are below
       continue
     if isinstance(p.default, bool):
       cases.append((p.name, "yes"))

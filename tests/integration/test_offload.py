@@ -65,7 +65,9 @@ def test_a_skipped_step_keeps_the_offloaded_state(compute):
   params = make_params()
   tx = optax_lamb.offload(optax_lamb.lamb(1e-2, skip_nonfinite=True), compute=compute)
   state = tx.init(params)
-  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan) if g.size else g, make_grads(params, 0))
+  bad = jax.tree.map(
+    lambda g: g.at[(0,) * g.ndim].set(jnp.nan) if g.size else g, make_grads(params, 0)
+  )
   updates, new_state = jax.jit(tx.update)(bad, state, params)
   assert int(optax_lamb.skip_counts(new_state).total) == 1
   assert_trees_equal(new_state.inner_state, state.inner_state)

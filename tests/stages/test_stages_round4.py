@@ -1,8 +1,7 @@
 """Issue 34 ("Reliability round 4"), failure classes 1-3 for lamb and the wrappers.
 
-Written before the fixes, from f5df42e: each docstring names its class. The cases that fail
-there are marked `pending` (a strict xfail: the fix must remove the mark); lamb's own cases of
-class 1 already pass and guard it. The compat constructors' cases are in
+Written before the fixes, from f5df42e, where the cases of classes 2 and 3 fail (each
+docstring names its class); lamb's own cases of class 1 passed there already and guard it. The compat constructors' cases are in
 tests/compat/test_compat_round4.py.
 """
 
@@ -23,16 +22,6 @@ from optax_lamb.backends.pallas import PallasBackend
 PALLAS = PallasBackend(block_sizes=TINY_BLOCKS, interpret=True)
 IMPLEMENTATIONS = {"xla": "xla", "reference": "reference", "pallas": PALLAS}
 RTOL = 1e-5  # float32 arrays (injected) against Python floats (built in)
-
-
-def pending(reason: str) -> pytest.MarkDecorator:
-  """A case that fails until its fix lands: strict, so the fix must remove the mark."""
-  return pytest.mark.xfail(strict=True, reason=f"issue 34, fix pending: {reason}")
-
-
-DOUBLE_UNSCALE = pending("class 2, lamb's prologue divides by the forwarded grad_scale again")
-ZERO_NORM = pending("class 2, safe_sqrt(NaN) = 0 and the zero-norm rule give ratio 1")
-AXIS_TUPLE = pending("class 3, check_results passes all_finite a tuple with a per-leaf axis_name")
 
 
 def _params(seed: int = 0) -> dict:
@@ -118,7 +107,6 @@ _SCALED_BUILDERS = {
 }
 
 
-@DOUBLE_UNSCALE
 @pytest.mark.parametrize("builder", sorted(_SCALED_BUILDERS))
 def test_unscale_gradients_then_lamb_divides_once(builder):
   """Class 2: chain(unscale_gradients(), lamb) with update(..., grad_scale=s), the pattern
@@ -145,7 +133,6 @@ def _nan_bias_params() -> dict:
 _UNDECAYED = dict(weight_decay=0.1, mask={"w": True, "b": False})
 
 
-@ZERO_NORM
 @pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
 def test_nan_param_of_undecayed_leaf_is_not_a_zero_norm(implementation):
   """Class 2: a NaN in a param of an undecayed leaf must not read as ||p|| = 0 (ratio 1): the
@@ -161,7 +148,6 @@ def test_nan_param_of_undecayed_leaf_is_not_a_zero_norm(implementation):
   assert np.all(np.isfinite(updates["w"]))
 
 
-@ZERO_NORM
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
 def test_nan_param_in_one_stacked_slice_is_not_a_zero_norm(implementation):
   """Class 2, stacked: a NaN in one layer of a stacked undecayed leaf makes that layer's ratio
@@ -174,7 +160,6 @@ def test_nan_param_in_one_stacked_slice_is_not_a_zero_norm(implementation):
   np.testing.assert_array_equal(np.isfinite(ratios), [True, False, True])
 
 
-@ZERO_NORM
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
 def test_check_results_skips_a_nan_param_step(implementation):
   """Class 2: skip_nonfinite(check_results=True) skips (and counts) the step that a NaN param of
@@ -185,6 +170,138 @@ def test_check_results_skips_a_nan_param_step(implementation):
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert int(optax_lamb.skip_counts(state).total) == 1
   assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+
+
+def _lamb_clipped():
+  return optax_lamb.lamb(1e-2, weight_decay=0.01, max_grad_norm=1.0)
+
+
+# Where a scale passed to update reaches lamb after unscale_gradients: through wrappers (whose
+# lax.cond hands lamb new tracers), nested and named chains.
+_UNSCALED_FIRST = {
+  "skip_wrapper": lambda: optax.chain(
+    optax_lamb.unscale_gradients(), optax_lamb.skip_nonfinite(_lamb_clipped())
+  ),
+  "named_chain": lambda: optax.named_chain(
+    ("unscale", optax_lamb.unscale_gradients()), ("lamb", _lamb_clipped())
+  ),
+  "nested_chain": lambda: optax.chain(
+    optax_lamb.unscale_gradients(), optax.chain(optax.identity(), _lamb_clipped())
+  ),
+  "inject_hyperparams": lambda: optax.chain(
+    optax_lamb.unscale_gradients(),
+    optax.inject_hyperparams(optax_lamb.lamb)(
+      learning_rate=1e-2, weight_decay=0.01, max_grad_norm=1.0
+    ),
+  ),
+  "multi_steps": lambda: optax.MultiSteps(
+    optax.chain(optax_lamb.unscale_gradients(), _lamb_clipped()), every_k_schedule=1
+  ),
+}
+
+
+def _scaled_run(tx, scale: float, **extra) -> dict:
+  grads = [jax.tree.map(lambda g: g * scale, g) for g in _grads(3)]
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(lambda p, s, g: tx.update(g, s, p, **extra))
+  for g in grads:
+    updates, state = step(params, state, g)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+@pytest.mark.parametrize("composition", sorted(_UNSCALED_FIRST))
+def test_grad_scale_is_divided_out_once_in_any_chain(composition):
+  """Class 2, beyond the listed case: a scale passed to update (an array, under jit) reaches
+  lamb after unscale_gradients through wrappers and nested chains; it is divided out once."""
+  scale = jnp.float32(512.0)
+  got = _scaled_run(_UNSCALED_FIRST[composition](), 512.0, grad_scale=scale)
+  _assert_close(got, _run(_lamb_clipped()))
+
+
+def test_unscale_gradients_after_lamb_leaves_its_updates():
+  """Class 2, the other order: an unscale_gradients after lamb does not divide lamb's updates
+  (lamb took the scale)."""
+  chained = optax.chain(_lamb_clipped(), optax_lamb.unscale_gradients())
+  got = _scaled_run(chained, 64.0, grad_scale=64.0)
+  _assert_close(got, _run(_lamb_clipped()))
+
+
+def test_a_scale_given_when_built_is_the_stage_own():
+  """Class 2, both places: lamb built with grad_scale=s0 after unscale_gradients() given s at
+  update divides by both (its own scale, and the passed one once)."""
+  chained = optax.chain(
+    optax_lamb.unscale_gradients(),
+    optax_lamb.lamb(1e-2, weight_decay=0.01, max_grad_norm=1.0, grad_scale=4.0),
+  )
+  _assert_close(_scaled_run(chained, 4.0 * 32.0, grad_scale=32.0), _run(_lamb_clipped()))
+
+
+def test_unscale_gradients_alone_still_divides():
+  """The guard of the rule: a chain whose only reader of grad_scale is unscale_gradients, and
+  lamb called on its own, each divide once."""
+  sgd = optax.sgd(0.1)
+  chained = optax.chain(optax_lamb.unscale_gradients(), sgd)
+  _assert_close(_scaled_run(chained, 16.0, grad_scale=16.0), _run(sgd))
+  _assert_close(_scaled_run(_lamb_clipped(), 16.0, grad_scale=16.0), _run(_lamb_clipped()))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
+def test_nan_param_of_decayed_leaf_is_not_a_zero_norm(implementation):
+  """Class 2, the decayed leaf: u holds the NaN too, and both norms read 0 on main (ratio 1, the
+  finite elements moved). The leaf's update is NaN as with optax.lamb; the other stays finite."""
+  params, grads = _nan_bias_params(), _grads(1)[0]
+  ours = optax_lamb.lamb(1e-2, weight_decay=0.1, implementation=IMPLEMENTATIONS[implementation])
+  theirs = optax.lamb(1e-2, weight_decay=0.1)
+  updates, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+  want, _ = theirs.update(grads, theirs.init(params), params)
+  np.testing.assert_array_equal(np.isfinite(updates["b"]), np.isfinite(want["b"]))
+  assert np.all(np.isfinite(updates["w"]))
+
+
+def test_nan_param_in_one_stacked_slice_on_the_kernels():
+  """Class 2, stacked, on the Pallas kernels (slice sums): only the NaN layer's ratio is NaN."""
+  params = {"w": jnp.ones((3, 4), jnp.float32).at[1, 2].set(jnp.nan)}
+  grads = {"w": jnp.full((3, 4), 0.5, jnp.float32)}
+  tx = optax_lamb.lamb(1e-2, stacked_axes=1, implementation=PALLAS)
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  ratios = np.asarray(optax_lamb.trust_ratios(state)["w"])
+  np.testing.assert_array_equal(np.isfinite(ratios), [True, False, True])
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
+def test_nan_gradient_is_not_a_zero_clipping_norm(implementation):
+  """Class 2, the global clipping norm: a NaN gradient makes it NaN (on main: 0, so no leaf was
+  clipped and the finite ones moved by their unclipped gradients), as optax's clip does."""
+  params = _params()
+  grads = _grads(1)[0]
+  grads = {"w": grads["w"] * 100.0, "b": grads["b"].at[0].set(jnp.nan)}
+  clip = optax_lamb.clip_by_global_norm(1.0)
+  got, _ = clip.update(grads, clip.init(params))
+  want, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+  for k in grads:
+    np.testing.assert_array_equal(np.isfinite(got[k]), np.isfinite(want[k]), err_msg=k)
+  tx = optax_lamb.lamb(1e-2, max_grad_norm=1.0, implementation=IMPLEMENTATIONS[implementation])
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert not any(np.any(np.isfinite(u)) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
+def test_zero_one_element_leaves_keep_the_zero_norm_rule(implementation):
+  """The guard of the NaN rule: a zero scalar (or one-element) param, whose scaled sums XLA:CPU
+  folds into 0 inf = NaN, still has norm 0 and ratio 1 when another leaf takes the rescue."""
+  params = {
+    "s": jnp.zeros((), jnp.float32), "one": jnp.zeros((1,), jnp.float32),
+    "tiny": jnp.full((4, 3), 1e-30, jnp.float32),
+  }  # fmt: skip
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, jnp.float32), params)
+  tx = optax_lamb.lamb(1e-2, implementation=IMPLEMENTATIONS[implementation])
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  want, _ = optax.lamb(1e-2).update(grads, optax.lamb(1e-2).init(params), params)
+  ratios = optax_lamb.trust_ratios(state)
+  for k in ("s", "one"):
+    assert float(ratios[k]) == 1.0, k
+    np.testing.assert_allclose(updates[k], want[k], rtol=RTOL, err_msg=k)
 
 
 # --- class 3: a valid combination crashes ------------------------------------------------------
@@ -213,7 +330,6 @@ def _skip_wrapped(form: str):
   return optax_lamb.skip_nonfinite(inner, axis_name=axis_name, check_results=True)
 
 
-@AXIS_TUPLE
 @pytest.mark.parametrize("form", sorted(AXIS_FORMS))
 def test_skip_nonfinite_per_leaf_axis_name_check_results_in_shard_map(form):
   """Class 3: skip_nonfinite with a per-leaf axis_name ({"w": "d", "b": None}, or a callable
@@ -240,7 +356,6 @@ def test_skip_nonfinite_per_leaf_axis_name_check_results_in_shard_map(form):
   _assert_close(updates, want)
 
 
-@AXIS_TUPLE
 @pytest.mark.parametrize("form", sorted(AXIS_FORMS))
 def test_skip_nonfinite_per_leaf_axis_name_check_results_in_pmap(form):
   """Class 3: the same under pmap, "w" sharded over the mapped axis, "b" replicated."""
