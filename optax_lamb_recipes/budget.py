@@ -97,7 +97,14 @@ def run_budget(cfg: BudgetConfig, searched: dict, *, out: str, previous: dict | 
     for (family, b), s in sorted(settings.items(), key=lambda kv: FAMILIES.index(kv[0][0])):
       if b in batches and family in families and (multiple, seed, family, b) not in have:
         search.train_trials(
-          longer, seed, family, b, {s["trial"]: s["hyper"]}, 1, lambda g, m=multiple: save(g, m)
+          longer,
+          seed,
+          family,
+          b,
+          {s["trial"]: s["hyper"]},
+          1,
+          lambda g, m=multiple: save(g, m),
+          keep_ratios=True,
         )
   sessions = earlier + [records.session(start)] if len(runs) > len(have) else earlier
   return _results(cfg, searched, runs, sessions)

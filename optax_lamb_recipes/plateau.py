@@ -1,0 +1,84 @@
+"""One comparison past the plateau: the random search again at batch 512 with 4x the samples.
+
+    python -m optax_lamb_recipes.plateau                # trains what notebooks/results/plateau.json lacks
+    LAMB_QUICK=1 python -m optax_lamb_recipes.plateau   # the CI preset (seconds), to plateau_ci.json
+
+The equal-budget search (``search.py``) ran at the sweep's sample budget (76,800 sequences), where
+every AdamW trial at batch 512 ended on the plateau of the token-frequency loss (5.93 nats), so its
+comparison there is between two optimizers that barely left it. Here the search runs again at
+batch 512 only, with 4x the samples (600 steps), where the searched LAMB settings of the longer
+runs (``budget.py``) fell to 4.2-5.0 nats: 12 trials per optimizer, scored on validation with
+seed 0, then each optimizer's best trial on seeds 1 and 2, compared on the test split paired by
+seed and test sequence (``analysis.bootstrap``). Trust ratios and relative steps per layer are
+recorded in every run (about 1 KB per layer and run).
+
+The spaces are the search's, except AdamW's warm-up: 0.5% to 90% of the steps instead of 0.5% to
+50%. AdamW's 12 draws at 1x had warm-ups of 0.7% to 23%; the six with a peak learning rate above
+0.015 all ended within 0.01 nats of the token-frequency loss, and none left the plateau. A long
+warm-up is the usual remedy for Adam's instability early in large-batch training (Goyal et al.
+2017; Nado et al. 2021 search it for every optimizer), and LAMB's best trial at 1x warmed up over
+37% of its steps, beyond every AdamW draw. The upper end, 90%, lets the learning rate rise over
+almost the whole run and still decay over the last 10%; the lower end is kept so that the short
+warm-ups stay in the space. The draws are fresh (a generator of their own, ``stream``) and
+stratified (a Latin hypercube: one draw in each twelfth of every log range), so that twelve trials
+cannot all land at one end of the warm-up range as the 1x draws did.
+
+CPU budget, written before the job started, from the wall times the committed files record (2
+CPUs, AMD EPYC): a run at batch 512 with 600 steps took 124 to 144 s when it had the machine to
+itself (the budget's 4x runs on seeds 1 and 2, ``budget.json``) and 368 to 565 s beside another
+job (seed 0); 150 steps took 36 to 42 s (the search's reruns, about 0.25 s a step). So 28 runs
+(24 trials and 4 reruns, 16,800 steps) need about 60 min on a quiet 2-core machine, and at most
+about 4 h of wall time at the lowest priority beside other jobs (2 CPUs, Intel Xeon, for this
+job). The results file is written after every run; running the command again resumes where it
+stopped (a run cut short trains again from its start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from optax_lamb_recipes import presets, records, search
+
+MULTIPLE = 4  # times the sweep's samples
+SPACES = {
+  "lamb": search.SPACES["lamb"],
+  "adamw": search.SPACES["adamw"] | {"warmup_frac": (0.005, 0.9)},
+}
+
+
+def _config(name: str, sweep: presets.SweepConfig, **kw) -> search.SearchConfig:
+  longer = dataclasses.replace(sweep, samples=sweep.samples * MULTIPLE)
+  return search.SearchConfig(
+    name, longer, spaces=SPACES, stream=(MULTIPLE,), stratified=True, keep_ratios=True, **kw
+  )
+
+
+PRESETS = {
+  "claim": _config("plateau", presets.PRESETS["claim"], trials=12, seeds=(0, 1, 2), group=1,
+                   batches=(512,)),
+  "ci": _config("plateau-ci", presets.PRESETS["ci"], trials=2, seeds=(0, 1), group=1,
+                batches=(64,)),
+}  # fmt: skip
+DEFAULT_OUT = {
+  "claim": os.path.join("notebooks", "results", "plateau.json"),
+  "ci": "plateau_ci.json",
+}
+
+
+def format_report(results: dict) -> str:
+  """Markdown: the paired table, the chosen trials, the compute."""
+  return search.format_report(results)
+
+
+def main(argv=None) -> dict:
+  epilog = (
+    "The claim preset trains 28 runs of 600 steps at batch 512 (24 trials, then 4 reruns of the "
+    "chosen ones); measured times are in the results' sessions. The ci preset takes seconds."
+  )
+  run = lambda preset, out, previous: search.run_search(PRESETS[preset], out=out, previous=previous)
+  return records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, run, format_report)
+
+
+if __name__ == "__main__":
+  main()
