@@ -1,0 +1,214 @@
+"""Why LAMB diverged at 16x the samples (batch 512, seed 0): the optimizer, or its settings?
+
+    python -m optax_lamb_recipes.divergence    # notebooks/results/divergence.json (about 30 min CPU)
+    LAMB_QUICK=1 python -m optax_lamb_recipes.divergence   # a tiny model, seconds, to divergence_ci.json
+
+The longer-training job (``budget.py``) ran the search's LAMB settings at batch 512 (peak learning
+rate 0.0349, warm-up 877 of 2,400 steps, the chosen trial of ``search.json``) for 16x the samples,
+and the run's test loss went from 3.92 at step 960 to 7.05 at step 1,200. This replays that run step
+by step, with two implementations of the same LAMB side by side on the same micro-batches:
+``optax_lamb.lamb`` (the recipe's optimizer) and a chain of optax's own stages
+(``clip_by_global_norm``, ``scale_by_adam``, ``add_decayed_weights``, ``scale_by_trust_ratio``
+and ``scale_by_learning_rate``, masked as the recipe masks). It records, at every step, each
+one's training loss and the largest relative difference between their parameters, and the
+trust ratio of every layer of ``optax_lamb.lamb``; the test loss every ``eval_every`` steps. Then
+the same run at half the peak learning rate, further. If both implementations blow up at the same
+step, the divergence belongs to the settings, not to this library's LAMB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_lamb
+from optax_lamb_recipes import budget, presets, records, schedules, splits
+from optax_lamb_recipes import model as model_lib
+from optax_lamb_recipes import train as train_lib
+
+CHAINS = ("optax_lamb.lamb", "optax chain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+  """One replay: the budget run it follows, where it stops, and how often it evaluates."""
+
+  name: str
+  budget: str  # the budget results JSON ("" = a tiny run for CI)
+  multiple: int  # which of its runs: LAMB at the largest batch, seed 0, this many times the samples
+  steps: int  # both implementations, this far
+  half_lr_steps: int  # optax_lamb.lamb at half the peak learning rate, this far
+  eval_every: int
+
+
+PRESETS = {
+  "claim": Replay("claim", os.path.join("notebooks", "results", "budget.json"), 16, 1200, 1500, 60),
+  "ci": Replay("ci", "", 2, 8, 8, 4),
+}
+DEFAULT_OUT = {
+  "claim": os.path.join("notebooks", "results", "divergence.json"),
+  "ci": "divergence_ci.json",
+}
+
+
+def optax_chain(schedule, opt: train_lib.OptimizerConfig) -> optax.GradientTransformation:
+  """LAMB from optax's own stages, with the recipe's clipping and masks (no decay and ratio 1 on
+  biases and LayerNorm parameters)."""
+  return optax.chain(
+    optax.clip_by_global_norm(opt.max_grad_norm),
+    optax.scale_by_adam(opt.b1, opt.b2, opt.eps),
+    optax.add_decayed_weights(opt.weight_decay, mask=train_lib.decay_mask),
+    optax.masked(optax.scale_by_trust_ratio(), train_lib.decay_mask),
+    optax.scale_by_learning_rate(schedule),
+  )
+
+
+def _settings(searched_run: dict, steps: int, lr_scale: float):
+  """The run's schedule and optimizer settings (a search trial's), ``lr_scale`` times the peak."""
+  h = searched_run["hyper"]
+  warmup = max(1, round(h["warmup_frac"] * steps))
+  schedule = schedules.warmup_poly_decay(searched_run["peak_lr"] * lr_scale, warmup, steps)
+  opt = dataclasses.replace(
+    train_lib.OptimizerConfig(), b2=h["b2"], eps=h["eps"], weight_decay=h["weight_decay"]
+  )
+  return schedule, opt, warmup
+
+
+def _step_fn(graphdef, txs):
+  """One optimizer step of every implementation on the same ``k`` micro-batches (optax.MultiSteps
+  accumulates them, as in training): the new params and states, each one's mean loss."""
+
+  def step(params, states, micro_batches):
+    def one(carry, mb):
+      ps, ss = carry
+      out_p, out_s, losses = [], [], []
+      for tx, p, s in zip(txs, ps, ss, strict=True):
+        loss, g = jax.value_and_grad(model_lib.loss_fn, argnums=1)(graphdef, p, mb)
+        u, s = tx.update(g, s, p)
+        out_p.append(optax.apply_updates(p, u))
+        out_s.append(s)
+        losses.append(loss)
+      return (tuple(out_p), tuple(out_s)), jnp.stack(losses)
+
+    (params, states), losses = jax.lax.scan(one, (params, states), micro_batches)
+    return params, states, losses.mean(axis=0)
+
+  return jax.jit(step)
+
+
+def _relative_difference(a, b) -> float:
+  """The largest ``||a - b|| / ||a||`` over the leaves (``||a - b||`` where ``a`` is 0)."""
+
+  def rel(x, y):
+    size, gap = jnp.linalg.norm(x), jnp.linalg.norm(x - y)
+    return jnp.where(size > 0, gap / jnp.where(size > 0, size, 1.0), gap)
+
+  diff = jax.tree.map(rel, a, b)
+  return float(max(jax.tree.leaves(diff)))
+
+
+def replay(scfg, run: dict, *, steps: int, lr_scale: float, chains, eval_every: int) -> dict:
+  """Train ``chains`` side by side from the run's initial model for ``steps`` optimizer steps of
+  its schedule (``lr_scale`` times its peak); per step each one's loss, the largest relative
+  parameter difference between the first two, the first one's trust ratios; the test losses."""
+  batch, seed, total = run["batch"], run["seed"], run["steps"]
+  schedule, opt, warmup = _settings(run, total, lr_scale)
+  k = batch // scfg.micro
+  lamb = train_lib.make_optimizer("lamb", schedule, accumulate=k, opt=opt)
+  theirs = optax.MultiSteps(optax_chain(schedule, opt), every_k_schedule=k)
+  txs = [{"optax_lamb.lamb": lamb, "optax chain": theirs}[c] for c in chains]
+  train_data, _, test, _ = splits.load_data(scfg, seed)
+  stream, test = train_data[scfg.seq_len], test[scfg.seq_len]
+  graphdef, params0 = model_lib.init_params(scfg.model, seed)
+  names = train_lib.leaf_names(params0)
+  decayed = [
+    n for n, d in zip(names, jax.tree.leaves(train_lib.decay_mask(params0)), strict=True) if d
+  ]
+  step = _step_fn(graphdef, txs)
+  evaluate = jax.jit(lambda p: model_lib.loss_fn(graphdef, p, test))
+  params = tuple(params0 for _ in txs)
+  states = tuple(tx.init(params0) for tx in txs)
+  out = {"chains": list(chains), "lr_scale": lr_scale, "peak_lr": run["peak_lr"] * lr_scale,
+         "warmup": warmup, "total_steps": total, "loss": [], "difference": [],
+         "trust_ratios": {n: [] for n in decayed}, "eval_steps": [], "test": []}  # fmt: skip
+  for t in range(steps):
+    mb = jax.tree.map(lambda x, t=t: jnp.asarray(x[t * batch : (t + 1) * batch]), stream)
+    mb = jax.tree.map(lambda x: x.reshape(k, scfg.micro, -1), mb)
+    params, states, losses = step(params, states, mb)
+    out["loss"].append([float(x) for x in losses])
+    if len(txs) > 1:
+      out["difference"].append(_relative_difference(params[0], params[1]))
+    for n, r in zip(names, jax.tree.leaves(optax_lamb.trust_ratios(states[0])), strict=True):
+      if n in out["trust_ratios"]:
+        out["trust_ratios"][n].append(round(float(r), 5))
+    if (t + 1) % eval_every == 0:
+      out["eval_steps"].append(t + 1)
+      out["test"].append([float(evaluate(p)) for p in params])
+  return out
+
+
+def _source(cfg: Replay) -> tuple[presets.SweepConfig, dict]:
+  """The sweep at the run's budget and the budget run itself (LAMB, largest batch, seed 0)."""
+  if not cfg.budget:  # CI: a made-up run of the ci preset
+    scfg = dataclasses.replace(presets.PRESETS["ci"], samples=1024 * cfg.multiple)
+    hyper = {"warmup_frac": 0.3, "b2": 0.99, "weight_decay": 0.01, "eps": 1e-6}
+    run = {"batch": 64, "seed": 0, "steps": scfg.samples // 64, "peak_lr": 0.02, "hyper": hyper}
+    return scfg, run
+  with open(cfg.budget) as f:
+    results = json.load(f)
+  b = max(c["batch"] for c in results["chosen"])
+  run = budget._run(results, "lamb", b, cfg.multiple, 0)
+  scfg = presets.from_json(results["config"])
+  return dataclasses.replace(scfg, samples=scfg.samples * cfg.multiple), run
+
+
+def run_replays(cfg: Replay, *, out: str, previous: dict | None = None) -> dict:
+  """Both implementations at the run's settings, then ``optax_lamb.lamb`` at half its peak
+  learning rate; ``out`` written after each (a finished replay is not trained again)."""
+  start = time.perf_counter()
+  scfg, run = _source(cfg)
+  results = dict(previous or {})
+  results["run"] = {k: run.get(k) for k in ("family", "batch", "seed", "steps", "peak_lr", "hyper")}
+  results["run"] |= {
+    "multiple": cfg.multiple,
+    "test": run.get("test"),
+    "samples": run.get("samples"),
+  }
+  sessions = list(results.get("sessions", []))
+  todo = {"same": (cfg.steps, 1.0, CHAINS), "half lr": (cfg.half_lr_steps, 0.5, CHAINS[:1])}
+  for key, (steps, scale, chains) in todo.items():
+    if key not in results:
+      results[key] = replay(scfg, run, steps=steps, lr_scale=scale, chains=chains,
+                            eval_every=cfg.eval_every)  # fmt: skip
+      results["sessions"] = sessions + [records.session(start)]
+      results["wall_seconds"] = sum(s["wall_seconds"] for s in results["sessions"])
+      results["cpu_seconds"] = sum(s["cpu_seconds"] for s in results["sessions"])
+      records.write_json(results, out)
+      print(f"{key}: {steps} steps, {time.perf_counter() - start:.0f} s", flush=True)
+  return results
+
+
+def format_report(results: dict) -> str:
+  return "\n".join(findings(results))
+
+
+def findings(results: dict) -> list[str]:
+  """Sentences: where the two implementations part and blow up, which layers' trust ratios
+  first pass 1, and the run at half the learning rate."""
+  return []
+
+
+def main(argv=None) -> dict:
+  epilog = "The claim preset trains 3,900 steps at batch 512 (about 30 min on 2 CPUs)."
+  run = lambda preset, out, previous: run_replays(PRESETS[preset], out=out, previous=previous)
+  return records.run_resumable(argv, __doc__, epilog, PRESETS, DEFAULT_OUT, run, format_report)
+
+
+if __name__ == "__main__":
+  main()
