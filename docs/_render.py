@@ -161,7 +161,7 @@ def _provenance(results: dict, path: str) -> str:
 
 def budget_summary(budget_path: str, full: bool) -> str:
   """The searched settings trained longer: the table and findings (with `full`: the compute)."""
-  from optax_lamb_recipes import budget
+  from optax_lamb_recipes import budget_report as budget
 
   results = _load(budget_path)
   if full:

@@ -25,10 +25,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import optax_lamb
-from optax_lamb_recipes import budget, presets, records, schedules, splits
+from optax_lamb_recipes import budget_report, presets, records, schedules, splits
 from optax_lamb_recipes import model as model_lib
 from optax_lamb_recipes import train as train_lib
 
@@ -163,7 +164,7 @@ def _source(cfg: Replay) -> tuple[presets.SweepConfig, dict]:
   with open(cfg.budget) as f:
     results = json.load(f)
   b = max(c["batch"] for c in results["chosen"])
-  run = budget._run(results, "lamb", b, cfg.multiple, 0)
+  run = budget_report.run_at(results, "lamb", b, cfg.multiple, 0)
   scfg = presets.from_json(results["config"])
   return dataclasses.replace(scfg, samples=scfg.samples * cfg.multiple), run
 
@@ -194,14 +195,78 @@ def run_replays(cfg: Replay, *, out: str, previous: dict | None = None) -> dict:
   return results
 
 
-def format_report(results: dict) -> str:
-  return "\n".join(findings(results))
+# Where the two implementations "part": their parameters differ by more than this (relative).
+PARTED = 1e-4
+
+
+def blow_up(losses, rise: float = budget_report.DIVERGED_RISE) -> int | None:
+  """The first step (1-based) whose training loss is more than ``rise`` above its best so far
+  (a non-finite loss counts), or None."""
+  x = np.array([np.inf if v is None else v for v in losses], float)
+  x[~np.isfinite(x)] = np.inf
+  over = np.flatnonzero(x - np.minimum.accumulate(x) > rise)
+  return int(over[0]) + 1 if over.size else None
+
+
+def first_above(ratios: dict[str, list[float]], level: float = 1.0):
+  """``(step, {layer: ratio})``: the first step (1-based) where a trust ratio exceeds ``level``
+  and every layer above it then; None if none does."""
+  series = {n: np.asarray(v, float) for n, v in ratios.items()}
+  steps = [int(np.argmax(v > level)) for v in series.values() if np.any(v > level)]
+  if not steps:
+    return None
+  t = min(steps)
+  return t + 1, {n: float(v[t]) for n, v in series.items() if v[t] > level}
 
 
 def findings(results: dict) -> list[str]:
   """Sentences: where the two implementations part and blow up, which layers' trust ratios
   first pass 1, and the run at half the learning rate."""
-  return []
+  same, half, run = results["same"], results["half lr"], results["run"]
+  loss = np.array(same["loss"], float)
+  diff = np.array(same["difference"], float)
+  part = np.flatnonzero(~(diff <= PARTED))
+  parted = int(part[0]) + 1 if part.size else None
+  agree = float(np.max(diff[: parted - 1])) if parted and parted > 1 else float(np.max(diff))
+  ups = [blow_up(loss[:, i]) for i in range(loss.shape[1])]
+  within = "identical" if agree == 0 else f"within {agree:.1g} of each other"
+  until = f"until step {parted - 1:,}" if parted else f"through step {len(diff):,}"
+  rises = (
+    f"first rises more than {budget_report.DIVERGED_RISE} nats above its best at step "
+    + " and ".join("never" if u is None else f"{u:,}" for u in ups)
+    + " respectively"
+    if any(ups)
+    else f"never rises more than {budget_report.DIVERGED_RISE} nats above its best"
+  )
+  out = [
+    f"Replayed step by step (LAMB, B={run['batch']}, {run['multiple']}x, seed {run['seed']}: "
+    f"peak learning rate {same['peak_lr']:.4f}, warm-up {same['warmup']:,} of "
+    f"{same['total_steps']:,} steps), {same['chains'][0]} and {same['chains'][1]} keep their "
+    f"parameters {within} (largest relative difference of a layer) {until}; their training "
+    f"loss {rises}."
+  ]
+  above = first_above(same["trust_ratios"])
+  if above:
+    t, layers = above
+    out.append(
+      f"The first trust ratios above 1 (step {t:,}): "
+      + ", ".join(f"{n} {v:.2f}" for n, v in sorted(layers.items(), key=lambda kv: -kv[1]))
+      + "."
+    )
+  h = np.array(half["loss"], float)[:, 0]
+  up, tests = blow_up(h), half["test"]
+  out.append(
+    f"At half the peak learning rate ({half['peak_lr']:.4f}) the training loss "
+    + ("never rose more than " if up is None else "first rose more than ")
+    + f"{budget_report.DIVERGED_RISE} nats above its best"
+    + ("" if up is None else f" at step {up:,}")
+    + f" through step {len(h):,}; test loss {tests[-1][0]:.3f} at step {half['eval_steps'][-1]:,}."
+  )
+  return out
+
+
+def format_report(results: dict) -> str:
+  return " ".join(findings(results))
 
 
 def main(argv=None) -> dict:

@@ -38,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from optax_lamb_recipes import presets, records, search
+from optax_lamb_recipes import analysis, presets, records, report, search, steps
+from optax_lamb_recipes.presets import FAMILIES
 
 MULTIPLE = 4  # times the sweep's samples
 SPACES = {
@@ -66,9 +67,89 @@ DEFAULT_OUT = {
 }
 
 
+# A trial "left the plateau" when its final test loss ended this far below the token-frequency
+# loss (nats; the test set's sampling error is about 0.03, the plateau's runs end within 0.1).
+LEFT_BY = 0.5
+TARGETS = (5.0, 4.5, 4.0)  # test losses below the plateau, for steps to a target
+
+
+def trials_left(results: dict) -> dict[str, tuple[int, int]]:
+  """Optimizer -> (trials whose final test loss ended `LEFT_BY` below the token-frequency loss,
+  trials), on the first seed; empty where the data has no token-frequency loss (CI's)."""
+  base = analysis.baseline(results)
+  if base is None:
+    return {}
+  first = results["search"]["seeds"][0]
+  out = {}
+  for family in FAMILIES:
+    runs = [r for r in results["runs"] if (r["seed"], r["family"]) == (first, family)]
+    out[family] = sum(records.final(r, "test") < base - LEFT_BY for r in runs), len(runs)
+  return out
+
+
+def _chosen_runs(results: dict, family: str) -> list[dict]:
+  (c,) = [c for c in results["chosen"] if c["family"] == family]
+  key = (family, c["batch"], c["trial"])
+  return sorted(
+    (r for r in results["runs"] if (r["family"], r["batch"], r["trial"]) == key),
+    key=lambda r: r["seed"],
+  )
+
+
+def format_steps(results: dict, targets=TARGETS) -> str:
+  """Markdown: the median steps over seeds of each optimizer's chosen trial to each target, with
+  the bracket of its evaluations."""
+  lines = ["| target | LAMB | AdamW |", "|---:|---:|---:|"]
+  for t in targets:
+    cells = [steps.cell(steps.median(_chosen_runs(results, f), t)) for f in FAMILIES]
+    lines.append(analysis.markdown_row([f"{t:.2f}", *cells]))
+  return "\n".join(lines)
+
+
+def findings(results: dict, targets=TARGETS) -> list[str]:
+  """Sentences: how many trials left the plateau, where LAMB minus AdamW lies (with the seeds it
+  rests on), and which optimizer surely reached each target in fewer steps."""
+  left, out = trials_left(results), []
+  if left:
+    out.append(
+      f"Trials whose final test loss ended more than {LEFT_BY} nats below the token-frequency "
+      f"loss ({analysis.baseline(results):.2f}), seed {results['search']['seeds'][0]}: "
+      + ", ".join(f"{report.OPTIMIZERS[f]} {k} of {n}" for f, (k, n) in left.items())
+      + "."
+    )
+  table = search.table(results)
+  if not table:
+    return out
+  (b,) = table
+  d = table[b]["difference"]
+  if d["seeds"] >= analysis.MIN_SEEDS:
+    out.append(f"Both searched, {d['seeds']} seeds: {analysis.sides_of_zero({b: d})}.")
+  for t in targets:
+    lamb, adamw = (steps.median(_chosen_runs(results, f), t) for f in FAMILIES)
+    if not (steps.reached(lamb) or steps.reached(adamw)):
+      continue
+    who = (
+      "LAMB" if lamb["high"] < adamw["low"] else "AdamW" if adamw["high"] < lamb["low"] else None
+    )
+    said = f"{who} surely took fewer steps" if who else "the brackets overlap"
+    out.append(f"To {t:.1f}: LAMB {steps.cell(lamb)}, AdamW {steps.cell(adamw)} steps ({said}).")
+  return out
+
+
 def format_report(results: dict) -> str:
-  """Markdown: the paired table, the chosen trials, the compute."""
-  return search.format_report(results)
+  """Markdown: the paired table, the findings, the steps to the targets, the chosen trials, the
+  compute."""
+  steps_table = "Steps to a test loss, median over seeds (evaluations around it):\n\n"
+  return "\n\n".join(
+    [
+      search.format_table(results),
+      " ".join(findings(results)),
+      steps_table + format_steps(results),
+      "The chosen trials (validation loss with the first seed):\n\n"
+      + search.format_chosen(results),
+      search.format_compute(results) + ".",
+    ]
+  )
 
 
 def main(argv=None) -> dict:

@@ -266,8 +266,11 @@ def format_chosen(results: dict) -> str:
 def format_compute(results: dict) -> str:
   """One sentence: the budget (trials, spaces), runs, wall and CPU time, machine, dates."""
   ranges = lambda space: ", ".join(f"{k} {lo:g} to {hi:g}" for k, (lo, hi) in space.items())
+  how = (
+    "and stratified (one per 1/n of each log range) " if results["search"].get("stratified") else ""
+  )
   return (
-    f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly "
+    f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly {how}"
     f"(LAMB: {ranges(results['search']['spaces']['lamb'])}; AdamW: "
     f"{ranges(results['search']['spaces']['adamw'])}; factor on the square-root-rule learning "
     f"rate, warm-up as a fraction of the steps), scored on validation with seed "
