@@ -15,6 +15,8 @@ TRIAL_X = {"peak_lr": "peak learning rate", "warmup_frac": "warm-up (fraction of
 def search_trials(search_results: dict, axes, x: str = "peak_lr") -> None:
   """Each trial's final validation loss (first seed) against its peak learning rate (or another
   ``TRIAL_X`` setting), one panel per searched batch; the chosen trial circled."""
+  from matplotlib.ticker import NullFormatter
+
   first = search_results["search"]["seeds"][0]
   chosen = {(c["family"], c["batch"]): c["trial"] for c in search_results["chosen"]}
   batches = search_results["search"].get("batches") or sorted({b for _, b in chosen})
@@ -35,6 +37,7 @@ def search_trials(search_results: dict, axes, x: str = "peak_lr") -> None:
         ax.scatter([xs[best[0]]], [val[best[0]]], s=110, facecolors="none",
                    edgecolors=s["color"], label=f"{label}, chosen")  # fmt: skip
     ax.set_xscale("log")  # (no baseline: the token-frequency loss is the test split's)
+    ax.xaxis.set_minor_formatter(NullFormatter())  # the labels of minor ticks would overlap
     ax.set(xlabel=TRIAL_X[x], ylabel="final validation loss (nats)", title=f"Trials at B={b}")
     legend_outside(ax)
 
@@ -100,6 +103,7 @@ def divergence(results: dict, axes) -> None:
   ax = axes[0]
   for i, name in enumerate(same["chains"]):
     ax.plot(t, loss[:, i], color=shade("lamb", 2 - 2 * i, 3), ls=("-", ":")[i], lw=1.2 - 0.4 * i,
+            marker=(None, "x")[i], markevery=max(1, len(t) // 20),
             label=f"{name}, peak {same['peak_lr']:.4f}")  # fmt: skip
   half_loss = np.array(half["loss"], float)[:, 0]
   ax.plot(np.arange(1, len(half_loss) + 1), half_loss, color=shade("lamb", 0, 3), ls=LINE["lamb"],
