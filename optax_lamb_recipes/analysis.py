@@ -187,8 +187,8 @@ def steps_findings(results: dict, targets=STEP_TARGETS, protocol="retuned per ba
   paying = lambda f: _per_target([_paying(got[f, t]) for t in targets], targets)  # noqa: E731
   return (
     f"Steps to test loss {'/'.join(f'{t:.2f}' for t in targets)} (median over seeds, both "
-    f"{protocol}; ten evaluations per run, {_spacing(results)}). Doubling the batch, judged at both "
-    f"ends of the brackets (paying: steps cut to {steps.PAYING_DOUBLING:.2f} or less): LAMB "
+    f"{protocol}; ten evaluations per run, {_spacing(results)}). Doubling the batch, judged at "
+    f"both ends of the brackets (paying: steps cut to {steps.PAYING_DOUBLING:.2f} or less): LAMB "
     f"{paying('lamb')}; AdamW {paying('adamw')}. Where either reached a target, LAMB surely took "
     f"fewer steps at {fewer['lamb']} (target, batch) points, AdamW at {fewer['adamw']}, and the "
     f"brackets overlap at {fewer['unresolved']}."

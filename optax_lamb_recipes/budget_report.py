@@ -21,10 +21,7 @@ def _all_runs(results: dict) -> list[dict]:
 
 def losses(results: dict, family: str, batch: int, multiple: int) -> tuple[list[int], np.ndarray]:
   """``(seeds, L)``: L[i, q], the final loss on test sequence q with seeds[i]."""
-  at = sorted(
-    (r for r in _all_runs(results) if (r["family"], r["batch"], r["multiple"]) == (family, batch, multiple)),
-    key=lambda r: r["seed"],
-  )  # fmt: skip
+  at = _runs(results, family, batch, multiple)
   return [r["seed"] for r in at], np.array([r["test_per_sequence"] for r in at], float)
 
 

@@ -14,7 +14,7 @@ recorded in every run (about 1 KB per layer and run).
 
 The spaces are the search's, except AdamW's warm-up: 0.5% to 90% of the steps instead of 0.5% to
 50%. AdamW's 12 draws at 1x had warm-ups of 0.7% to 23%; the six with a peak learning rate above
-0.015 all ended within 0.014 nats of the token-frequency loss (above it), and none left the plateau. A long
+0.015 all ended within 0.014 nats above the token-frequency loss, and none left the plateau. A long
 warm-up is the usual remedy for Adam's instability early in large-batch training (Goyal et al.
 2017; Nado et al. 2021 search it for every optimizer), and LAMB's best trial at 1x warmed up over
 37% of its steps, beyond every AdamW draw. The upper end, 90%, lets the learning rate rise over
