@@ -213,6 +213,24 @@ def _first_step(mask) -> int | None:
   return int(hit[0]) + 1 if hit.size else None
 
 
+def _matched(results: dict) -> tuple[int, float] | None:
+  """``(last step, largest difference)`` of the prefix of the recorded run's evaluations where
+  the replay's test loss (``optax_lamb.lamb``) is within `PART` of the recorded one."""
+  run, same = results["run"], results["same"]
+  if not run.get("test"):
+    return None
+  replayed = dict(zip(same["eval_steps"], (t[0] for t in same["test"]), strict=True))
+  recorded = [
+    (round(n / run["batch"]), x) for n, x in zip(run["samples"], run["test"], strict=True)
+  ]
+  gaps = []
+  for step, x in recorded:
+    if step not in replayed or x is None or abs(replayed[step] - x) > PART:
+      break
+    gaps.append((step, abs(replayed[step] - x)))
+  return (gaps[-1][0], max(g for _, g in gaps)) if gaps else None
+
+
 def findings(results: dict) -> list[str]:
   """Sentences: where the two implementations part and blow up, which layers' trust ratios climb
   above 1 for good first, and the run at half the learning rate."""
@@ -238,6 +256,12 @@ def findings(results: dict) -> list[str]:
     + ", ".join(said)
     + "."
   ]
+  matched = _matched(results)
+  if matched:
+    out.append(
+      f"The replay reproduces the longer-training run's test loss at its evaluations through step "
+      f"{matched[0]:,} within {matched[1]:.0e} nats."
+    )
   up = min((u for u in ups if u), default=None)
   went = climbs(same["trust_ratios"], up) if up else []
   if went:

@@ -88,8 +88,11 @@ def trials_left(results: dict) -> dict[str, tuple[int, int]]:
 
 
 def _chosen_runs(results: dict, family: str) -> list[dict]:
-  (c,) = [c for c in results["chosen"] if c["family"] == family]
-  key = (family, c["batch"], c["trial"])
+  """The runs (by seed) of ``family``'s chosen trial; none before all its trials have trained."""
+  at = [c for c in results["chosen"] if c["family"] == family]
+  if not at:
+    return []
+  key = (family, at[0]["batch"], at[0]["trial"])
   return sorted(
     (r for r in results["runs"] if (r["family"], r["batch"], r["trial"]) == key),
     key=lambda r: r["seed"],

@@ -102,12 +102,16 @@ def divergence(results: dict, axes) -> None:
   t = np.arange(1, len(loss) + 1)
   ax = axes[0]
   for i, name in enumerate(same["chains"]):
-    ax.plot(t, loss[:, i], color=shade("lamb", 2 - 2 * i, 3), ls=("-", ":")[i], lw=1.2 - 0.4 * i,
+    ax.plot(t, loss[:, i], color=shade("lamb", 2, 3), ls=("-", ":")[i], lw=1.2 - 0.4 * i,
             marker=(None, "x")[i], markevery=max(1, len(t) // 20),
             label=f"{name}, peak {same['peak_lr']:.4f}")  # fmt: skip
   half_loss = np.array(half["loss"], float)[:, 0]
   ax.plot(np.arange(1, len(half_loss) + 1), half_loss, color=shade("lamb", 0, 3), ls=LINE["lamb"],
           label=f"{half['chains'][0]}, peak {half['peak_lr']:.4f}")  # fmt: skip
+  low = min(np.nanmin(loss), np.nanmin(half_loss))
+  ax.set_ylim(
+    low - 0.3, min(10.0, max(np.nanmax(loss), np.nanmax(half_loss)) + 0.3)
+  )  # spikes go on
   for a in axes[:2]:
     a.axvline(same["warmup"], color="k", lw=0.8, ls=":", label="end of warm-up")
   ax.set(xlabel="optimizer step", ylabel="training loss (nats)", title="Training loss per step")
