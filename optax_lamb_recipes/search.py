@@ -212,8 +212,9 @@ def losses(results: dict, family: str, batch: int) -> tuple[list[int], np.ndarra
 
 def table(results: dict) -> dict[int, dict[str, dict]]:
   """Batch -> ``lamb`` / ``adamw`` (final test loss of the chosen trial) and ``difference``
-  (LAMB minus AdamW), on the seeds both have (`analysis.paired`)."""
-  batches = sorted({c["batch"] for c in results["chosen"]})
+  (LAMB minus AdamW), on the seeds both have (`analysis.paired`), where both chose a trial."""
+  chosen = {(c["family"], c["batch"]) for c in results["chosen"]}
+  batches = sorted({b for _, b in chosen if all((f, b) in chosen for f in FAMILIES)})
   return {
     b: analysis.paired(losses(results, "lamb", b), losses(results, "adamw", b)) for b in batches
   }
