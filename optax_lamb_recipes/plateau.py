@@ -111,7 +111,8 @@ def format_steps(results: dict, targets=TARGETS) -> str:
 
 def findings(results: dict, targets=TARGETS) -> list[str]:
   """Sentences: how many trials left the plateau, where LAMB minus AdamW lies (with the seeds it
-  rests on), and which optimizer surely reached each target in fewer steps."""
+  rests on), the largest trust ratio of LAMB's chosen trial, and which optimizer surely reached
+  each target in fewer steps."""
   left, out = trials_left(results), []
   if left:
     out.append(
@@ -127,6 +128,15 @@ def findings(results: dict, targets=TARGETS) -> list[str]:
   d = table[b]["difference"]
   if d["seeds"] >= analysis.MIN_SEEDS:
     out.append(f"Both searched, {d['seeds']} seeds: {analysis.sides_of_zero({b: d})}.")
+  ratios = [
+    (max(max(v) for v in r["trust_ratios"].values()), r) for r in _chosen_runs(results, "lamb")
+  ]
+  if ratios:
+    out.append(
+      "Largest trust ratio of LAMB's chosen trial at the 100 recorded steps of each run: "
+      + ", ".join(f"{x:.2f} (seed {r['seed']})" for x, r in ratios)
+      + "."
+    )
   for t in targets:
     lamb, adamw = (steps.median(_chosen_runs(results, f), t) for f in FAMILIES)
     if not (steps.reached(lamb) or steps.reached(adamw)):

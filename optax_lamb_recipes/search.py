@@ -268,7 +268,9 @@ def format_compute(results: dict) -> str:
   """One sentence: the budget (trials, spaces), runs, wall and CPU time, machine, dates."""
   ranges = lambda space: ", ".join(f"{k} {lo:g} to {hi:g}" for k, (lo, hi) in space.items())
   how = (
-    "and stratified, one per 1/n of each log range, " if results["search"].get("stratified") else ""
+    "and stratified, one draw in each 1/n of every log range "
+    if results["search"].get("stratified")
+    else ""
   )
   return (
     f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly {how}"
