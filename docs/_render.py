@@ -1,6 +1,7 @@
 """Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`), the
-recipe's claim study (`notebooks/results/study.json`), its random search (`search.json`) and the
-searched settings trained longer (`budget.json`).
+recipe's claim study (`notebooks/results/study.json`), its random search (`search.json`), the
+searched settings trained longer (`budget.json`), the search past the plateau (`plateau.json`)
+and the replay of the diverged run (`divergence.json`).
 
 The docs build writes `benchmark_tables` into the benchmarks page. The README and
 `docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
@@ -161,7 +162,7 @@ def _provenance(results: dict, path: str) -> str:
 
 def budget_summary(budget_path: str, full: bool) -> str:
   """The searched settings trained longer: the table and findings (with `full`: the compute)."""
-  from optax_lamb_recipes import budget
+  from optax_lamb_recipes import budget_report as budget
 
   results = _load(budget_path)
   if full:
@@ -186,12 +187,41 @@ def memory(results_dir: str, full: bool) -> str:
   return f"{source}\n\n{bench.table(results)}" if full else bench.summary(results)
 
 
+def plateau_summary(plateau_path: str, full: bool) -> str:
+  """The search past the plateau: the table and findings (with `full`: steps, trials, compute)."""
+  from optax_lamb_recipes import plateau, search
+
+  results = _load(plateau_path)
+  if full:
+    return plateau.format_report(results)
+  return (
+    search.format_table(results)
+    + "\n\n"
+    + " ".join(plateau.findings(results))
+    + _provenance(results, plateau_path)
+  )
+
+
+def divergence_summary(divergence_path: str) -> str:
+  """The replay of the diverged run: its findings and where they come from."""
+  from optax_lamb_recipes import divergence
+
+  results = _load(divergence_path)
+  return (
+    " ".join(divergence.findings(results))
+    + f" ({results['wall_seconds'] / 60:.0f} min wall, "
+    + f"`notebooks/results/{os.path.basename(divergence_path)}`)."
+  )
+
+
 def _blocks(root: str) -> dict[str, dict[str, str]]:
   """File -> block name -> its content, rendered now from the committed results."""
   results = os.path.join(root, "benchmarks", "results")
   study = os.path.join(root, "notebooks", "results", "study.json")
   searched = os.path.join(root, "notebooks", "results", "search.json")
   longer = os.path.join(root, "notebooks", "results", "budget.json")
+  past = os.path.join(root, "notebooks", "results", "plateau.json")
+  replay = os.path.join(root, "notebooks", "results", "divergence.json")
   return {
     "README.md": {
       "headline figures": headline(results),
@@ -200,6 +230,8 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
       "steps to target": steps_to_target(study, table=False),
       "random search": search_summary(searched, full=False),
       "longer training": budget_summary(longer, full=False),
+      "divergence": divergence_summary(replay),
+      "past the plateau": plateau_summary(past, full=False),
     },
     os.path.join("docs", "memory.md"): {"memory": memory(results, full=True)},
     os.path.join("docs", "recipe.md"): {
@@ -207,6 +239,8 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
       "steps to target": steps_to_target(study, table=True),
       "random search": search_summary(searched, full=True),
       "longer training": budget_summary(longer, full=True),
+      "divergence": divergence_summary(replay),
+      "past the plateau": plateau_summary(past, full=True),
     },
   }
 

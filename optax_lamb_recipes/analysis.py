@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from optax_lamb_recipes import records, report
+from optax_lamb_recipes import records, report, steps
 
 RESAMPLES = 4000
 LEVEL = 0.95
 # Test-loss targets for steps-to-target: between the context-free baseline (5.93) and the best
 # final losses (5.34), each reached by batch 16 after its first evaluation (at 480 steps).
 STEP_TARGETS = (5.7, 5.6, 5.5)
-# A doubling of the batch "pays" while it cuts the steps to a target to 2/3 or less.
-PAYING_DOUBLING = 2 / 3
+# Seeds a verdict (a side of zero, a median) needs; with fewer a table shows the plain mean.
+MIN_SEEDS = 3
 
 
 def arms(results: dict) -> dict[str, list[float]]:
@@ -101,101 +101,97 @@ def baseline(results: dict) -> float | None:
   return (results["data"].get("unigram_loss") or {}).get(str(results["config"]["seq_len"]))
 
 
-def gain_kept(results: dict, table: dict | None = None) -> dict[str, dict[int, float]]:
-  """Arm -> batch -> (baseline - loss at B) / (baseline - loss at the smallest B), in [0, 1]."""
-  table = table or arm_table(results)
-  base, b_min = baseline(results), min(results["config"]["batches"])
-  return {
-    arm: {b: (base - c["mean"]) / (base - cells[b_min]["mean"]) for b, c in cells.items()}
-    for arm, cells in table.items()
-    if b_min in cells
-  }
-
-
-def steps_to_target(results: dict, arm: str, target: float) -> dict[int, float | None]:
-  """Batch -> optimizer steps until the arm's test loss (mean over its seeds) first reaches
-  ``target``, interpolated linearly between evaluations; None where it never does.
+def steps_to_target(results: dict, arm: str, target: float) -> dict[int, dict | None]:
+  """Batch -> `steps.median` of the arm's runs (one per seed): the median over seeds of the
+  optimizer steps until the test loss first reaches ``target``, with its bracket.
 
   Shallue et al. (2019) measure this with the schedule tuned for each target; here each run's
   schedule is the one tuned for the final loss of the whole budget, so a run that reaches the
   target early would have reached it with fewer steps under a shorter schedule: an upper bound.
   """
-  out = {}
-  for b in results["config"]["batches"]:
-    runs = arm_runs(results, arm, b)
-    if not runs:
-      continue
-    curve = np.nanmean([records.curve(r, "test") for r in runs], axis=0)
-    steps = np.asarray(runs[0]["samples"], float) / b
-    out[b] = first_crossing(steps, curve, target)
-  return out
+  return {b: steps.median(arm_runs(results, arm, b), target) for b in results["config"]["batches"]}
 
 
-def first_crossing(steps: np.ndarray, curve: np.ndarray, target: float) -> float | None:
-  """The step where ``curve`` first reaches ``target``, linear between evaluations; or None."""
-  below = np.flatnonzero(curve <= target)
-  if not below.size:
-    return None
-  i = below[0]
-  if i == 0:
-    return float(steps[0])
-  x0, x1, y0, y1 = steps[i - 1], steps[i], curve[i - 1], curve[i]
-  return float(x0 + (x1 - x0) * (y0 - target) / (y0 - y1))
-
-
-def largest_paying_batch(steps: dict[int, float | None]) -> int | None:
-  """The largest batch B reached by doublings from the smallest that each took the steps to the
-  target to `PAYING_DOUBLING` or less of the previous batch's (None: not even the first)."""
-  batches, last = sorted(steps), None
-  for small, big in zip(batches, batches[1:], strict=False):
-    if steps[small] is None or steps[big] is None or steps[big] > PAYING_DOUBLING * steps[small]:
-      break
-    last = big
-  return last
+def _spacing(results: dict) -> str:
+  """The evaluations' spacing in steps at the smallest and the largest batch."""
+  batches = results["config"]["batches"]
+  run = lambda b: next(r for r in results["runs"] if r["batch"] == b)  # noqa: E731
+  every = [float(np.diff(run(b)["samples"]).max()) / b for b in (min(batches), max(batches))]
+  return (
+    f"every {every[0]:,.0f} steps at B={min(batches)} to every {every[1]:,.0f} at B={max(batches)}"
+  )
 
 
 def format_steps_to_target(
   results: dict, targets=STEP_TARGETS, protocol="retuned per batch"
 ) -> str:
-  """Markdown: steps to each target per optimizer and batch, and the largest paying batch."""
+  """Markdown: the median steps to each target per optimizer and batch, with brackets, and how
+  far doubling the batch surely paid (`steps.paying_range`)."""
   batches = results["config"]["batches"]
   lines = [
-    f"Optimizer steps until the test loss (mean over seeds, both {protocol}) first reaches a "
-    f"target; '-': never within the budget. Last column: the largest batch up to which every "
-    f"doubling cut the steps to {PAYING_DOUBLING:.2f} or less.",
+    f"Optimizer steps until the test loss first reaches a target: median over seeds (both "
+    f"{protocol}), interpolated between evaluations, and in brackets the steps of the evaluations "
+    f"around it (medians over seeds; evaluations {_spacing(results)}). Last column: the largest "
+    f"batch up to which every doubling surely cut the steps to {steps.PAYING_DOUBLING:.2f} or "
+    f"less, at both ends of the brackets, or where the first doubling stays unresolved.",
     "",
-    "| target | optimizer | " + " | ".join(f"B={b}" for b in batches) + " | paying up to |",
+    "| target | optimizer | " + " | ".join(f"B={b}" for b in batches) + " | doubling pays |",
     "|---:|---|" + "---:|" * (len(batches) + 1),
   ]
   for target in targets:
     for family, label in report.OPTIMIZERS.items():
-      steps = steps_to_target(results, report.arm_name(family, protocol), target)
-      cells = ["-" if steps.get(b) is None else f"{steps[b]:.0f}" for b in batches]
-      paying = largest_paying_batch(steps)
-      lines.append(f"| {target:.2f} | {label} | " + " | ".join(cells) + f" | {paying or '-'} |")
+      got = steps_to_target(results, report.arm_name(family, protocol), target)
+      cells = [steps.cell(got.get(b)) for b in batches]
+      lines.append(markdown_row([f"{target:.2f}", label, *cells, _paying(got)]))
   return "\n".join(lines)
 
 
+def _paying(by_batch: dict[int, dict | None]) -> str:
+  """``up to B=X``, then where the next doubling stays unresolved; ``-``: not even the first."""
+  largest, unresolved = steps.paying_range(by_batch)
+  said = [f"up to B={largest}"] if largest else []
+  if unresolved:
+    said.append(f"unresolved from B={unresolved // 2} to B={unresolved}")
+  return "; ".join(said) or "-"
+
+
+def _per_target(texts: list[str], targets) -> str:
+  """One text for every target where they agree, else each target's."""
+  if len(set(texts)) == 1:
+    return f"{texts[0]} at every target"
+  return ", ".join(f"{x} at {t:.2f}" for x, t in zip(texts, targets, strict=True))
+
+
 def steps_findings(results: dict, targets=STEP_TARGETS, protocol="retuned per batch") -> str:
-  """One paragraph from the steps-to-target table: the largest paying batch per optimizer, and
-  at how many (batch, target) points each needed fewer steps, or reached a target at all."""
-  steps = {
+  """One paragraph from the steps-to-target table: how far doubling surely paid per optimizer,
+  and at how many (target, batch) points one optimizer surely took fewer steps (brackets apart;
+  a median that never reached the target counts from the run's last step)."""
+  got = {
     (f, t): steps_to_target(results, report.arm_name(f, protocol), t)
     for f in report.OPTIMIZERS
     for t in targets
   }
-  points = [(t, b) for t in targets for b in results["config"]["batches"]]
-  reached = lambda f, t, b: steps[f, t].get(b) is not None  # noqa: E731
-  both = [(t, b) for t, b in points if reached("lamb", t, b) and reached("adamw", t, b)]
-  lamb_fewer = sum(steps["lamb", t][b] < steps["adamw", t][b] for t, b in both)
-  only = lambda f, g: sum(reached(f, t, b) and not reached(g, t, b) for t, b in points)  # noqa: E731
-  largest = lambda f: ", ".join(str(largest_paying_batch(steps[f, t]) or "-") for t in targets)  # noqa: E731
+  fewer = {"lamb": 0, "adamw": 0, "unresolved": 0}
+  for t in targets:
+    for b in results["config"]["batches"]:
+      lamb, adamw = got["lamb", t][b], got["adamw", t][b]
+      if steps.reached(lamb) or steps.reached(adamw):
+        key = (
+          "lamb"
+          if lamb["high"] < adamw["low"]
+          else "adamw"
+          if adamw["high"] < lamb["low"]
+          else "unresolved"
+        )
+        fewer[key] += 1
+  paying = lambda f: _per_target([_paying(got[f, t]) for t in targets], targets)  # noqa: E731
   return (
-    f"Steps to test loss {'/'.join(f'{t:.2f}' for t in targets)} (both {protocol}): doubling "
-    f"the batch cut the steps to {PAYING_DOUBLING:.2f} or less up to B={largest('lamb')} for "
-    f"LAMB and B={largest('adamw')} for AdamW. Where both reached a target, LAMB took fewer steps "
-    f"at {lamb_fewer} of {len(both)} (target, batch) points; LAMB reached a target AdamW never "
-    f"did at {only('lamb', 'adamw')} points, AdamW one LAMB never did at {only('adamw', 'lamb')}."
+    f"Steps to test loss {'/'.join(f'{t:.2f}' for t in targets)} (median over seeds, both "
+    f"{protocol}; ten evaluations per run, {_spacing(results)}). Doubling the batch, judged at "
+    f"both ends of the brackets (paying: steps cut to {steps.PAYING_DOUBLING:.2f} or less): LAMB "
+    f"{paying('lamb')}; AdamW {paying('adamw')}. Where either reached a target, LAMB surely took "
+    f"fewer steps at {fewer['lamb']} (target, batch) points, AdamW at {fewer['adamw']}, and the "
+    f"brackets overlap at {fewer['unresolved']}."
   )
 
 
@@ -205,12 +201,17 @@ def markdown_row(cells) -> str:
 
 
 def loss_cell(c: dict) -> str:
-  """A loss as ``mean [low, high]`` (a `bootstrap` result)."""
+  """A loss as ``mean [low, high]`` (a `bootstrap` result); the mean alone with fewer than
+  `MIN_SEEDS` seeds, whose interval would cover the test sequences and not the seeds."""
+  if c["seeds"] < MIN_SEEDS:
+    return f"{c['mean']:.3f}"
   return f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
 
 
 def difference_cell(c: dict) -> str:
-  """A difference as ``+mean [+low, +high]`` (a `bootstrap` result)."""
+  """A difference as ``+mean [+low, +high]`` (a `bootstrap` result; as `loss_cell`)."""
+  if c["seeds"] < MIN_SEEDS:
+    return f"{c['mean']:+.3f}"
   return f"{c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
 
 

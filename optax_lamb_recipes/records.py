@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -63,20 +64,29 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
   return d
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """``argparse``'s defaults in the help, but not where there is none (``None`` or ``False``)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    if action.default in (None, False):
+      return action.help
+    return super()._get_help_string(action)
+
+
 def run_resumable(argv, doc: str, epilog: str, choices, default_out, run, report) -> dict:
   """The command line of a job that resumes its results file: ``--preset`` (default
   `presets.default_preset` of ``choices``), ``--out``, ``--restart``. Calls ``run(preset, out, previous)``
   (previous: the results found at ``out``, or None), prints ``report(results)`` and returns them."""
-  import argparse
-
   from optax_lamb_recipes import presets
 
   parser = argparse.ArgumentParser(
     description=doc.split("\n")[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    formatter_class=DefaultsHelpFormatter,
     epilog=epilog,
   )
-  parser.add_argument("--preset", choices=sorted(choices), default=presets.default_preset(choices))
+  parser.add_argument(
+    "--preset", choices=sorted(choices), default=presets.default_preset(choices), help="the preset"
+  )
   parser.add_argument("--out", help="results JSON, resumed when it exists (default: per preset)")
   parser.add_argument("--restart", action="store_true", help="ignore an existing --out")
   args = parser.parse_args(argv)
@@ -85,7 +95,8 @@ def run_resumable(argv, doc: str, epilog: str, choices, default_out, run, report
   if os.path.exists(out) and not args.restart:
     with open(out) as f:
       previous = json.load(f)
-    print(f"resuming {out}: {len(previous['runs'])} runs done")
+    done = f": {len(previous['runs'])} runs done" if "runs" in previous else ""
+    print(f"resuming {out}{done}")
   results = run(args.preset, out, previous)
   print(report(results))
   print(f"\nresults: {out}")

@@ -51,6 +51,17 @@ class SearchConfig:
   trials: int  # per optimizer and batch: the equal budget
   seeds: tuple[int, ...]  # the first scores the trials; all train the chosen trial
   group: int = 6  # trials trained side by side (one compiled program) before the file is written
+  batches: tuple[int, ...] = ()  # where to search; () = the sweep's smallest and largest
+  spaces: dict | None = None  # None = SPACES
+  stream: tuple[int, ...] = ()  # more keys of the draws' generator: draws of their own
+  stratified: bool = False  # one draw in each 1/trials of every log range (Latin hypercube)
+  keep_ratios: bool = False  # record per-layer trust ratios and relative steps (thinned)
+
+  def draw(self, family: str, batch: int) -> list[dict[str, float]]:
+    return draw_trials(
+      family, batch, self.trials, spaces=self.spaces, stream=self.stream,
+      stratified=self.stratified,
+    )  # fmt: skip
 
 
 PRESETS = {
@@ -60,29 +71,35 @@ PRESETS = {
 DEFAULT_OUT = {"claim": os.path.join("notebooks", "results", "search.json"), "ci": "search_ci.json"}
 
 
-def draw_trials(family: str, batch: int, n: int) -> list[dict[str, float]]:
-  """``n`` trials for ``family`` at ``batch``: the same draws on every run of the command."""
-  rng = np.random.default_rng([FAMILIES.index(family), batch])
-  space = SPACES[family]
+def draw_trials(
+  family: str, batch: int, n: int, *, spaces=None, stream=(), stratified=False
+) -> list[dict[str, float]]:
+  """``n`` trials for ``family`` at ``batch``: the same draws on every run of the command.
+
+  Log-uniform in each range of ``spaces`` (default ``SPACES``); ``stratified``: a Latin
+  hypercube, each range's log cut into ``n`` equal strata with one draw in each, so that a few
+  trials cannot all fall in one end of a range."""
+  rng = np.random.default_rng([FAMILIES.index(family), batch, *stream])
+  space = (spaces or SPACES)[family]
+  if stratified:
+    u = {k: (rng.permutation(n) + rng.uniform(size=n)) / n for k in space}
+  else:  # trial by trial (the draws of the committed search)
+    rows = [{k: rng.uniform() for k in space} for _ in range(n)]
+    u = {k: [row[k] for row in rows] for k in space}
+  logs = {k: (math.log(lo), math.log(hi)) for k, (lo, hi) in space.items()}
   out = []
-  for _ in range(n):
-    x = {
-      k: float(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for k, (lo, hi) in space.items()
-    }
+  for i in range(n):
+    x = {k: math.exp(lo + (hi - lo) * float(u[k][i])) for k, (lo, hi) in logs.items()}
     out.append(
-      {
-        "factor": x["factor"],
-        "warmup_frac": x["warmup_frac"],
-        "b2": 1.0 - x["one_minus_b2"],
-        "weight_decay": x["weight_decay"],
-        "eps": x.get("eps", FIXED_EPS),
-      }
-    )
+      {"factor": x["factor"], "warmup_frac": x["warmup_frac"], "b2": 1.0 - x["one_minus_b2"],
+       "weight_decay": x["weight_decay"], "eps": x.get("eps", FIXED_EPS)}
+    )  # fmt: skip
   return out
 
 
-def edges(cfg: SearchConfig) -> tuple[int, int]:
-  return min(cfg.sweep.batches), max(cfg.sweep.batches)
+def edges(cfg: SearchConfig) -> tuple[int, ...]:
+  """The batches searched: ``cfg.batches``, or the sweep's smallest and largest."""
+  return cfg.batches or (min(cfg.sweep.batches), max(cfg.sweep.batches))
 
 
 def chosen(cfg: SearchConfig, runs: list[dict]) -> dict[tuple[str, int], int]:
@@ -102,10 +119,12 @@ def chosen(cfg: SearchConfig, runs: list[dict]) -> dict[tuple[str, int], int]:
 
 
 def train_trials(
-  scfg: SweepConfig, seed: int, family: str, b: int, trials: dict, group: int, on_group
-):
+  scfg: SweepConfig, seed: int, family: str, b: int, trials: dict, group: int, on_group,
+  keep_ratios: bool = False,
+) -> None:  # fmt: skip
   """Train ``trials`` (index -> drawn settings) of ``family`` at batch ``b`` on ``seed``,
-  ``group`` side by side; ``on_group(records)`` after each group."""
+  ``group`` side by side; ``on_group(records)`` after each group (with the per-layer trust ratios
+  and relative steps where ``keep_ratios``)."""
   from optax_lamb_recipes import train as train_lib
 
   train_data, val, test, _ = splits.load_data(scfg, seed)
@@ -123,7 +142,7 @@ def train_trials(
     seconds = time.perf_counter() - t0
     done = []
     for res, i, t in zip(results, idx, chunk, strict=True):
-      done.append(records.record(res, t["factor"], seed, seconds, keep_ratios=False))
+      done.append(records.record(res, t["factor"], seed, seconds, keep_ratios=keep_ratios))
       done[-1] |= {"trial": i, "hyper": t}
     on_group(done)
 
@@ -151,15 +170,24 @@ def run_search(cfg: SearchConfig, *, out: str, previous: dict | None = None) -> 
           which = [chosen(cfg, runs)[family, b]]
         which = [i for i in which if (seed, family, b, i) not in have]
         if which:
-          drawn = draw_trials(family, b, cfg.trials)
-          train_trials(cfg.sweep, seed, family, b, {i: drawn[i] for i in which}, cfg.group, save)
+          drawn = cfg.draw(family, b)
+          trials = {i: drawn[i] for i in which}
+          train_trials(cfg.sweep, seed, family, b, trials, cfg.group, save, cfg.keep_ratios)
   sessions = earlier + [records.session(start)] if len(runs) > len(have) else earlier
   return _results(cfg, data, runs, sessions)
 
 
 def _results(cfg: SearchConfig, data: dict, runs: list[dict], sessions: list[dict]) -> dict:
   return {
-    "search": {"name": cfg.name, "trials": cfg.trials, "seeds": list(cfg.seeds), "spaces": SPACES},
+    "search": {
+      "name": cfg.name,
+      "trials": cfg.trials,
+      "seeds": list(cfg.seeds),
+      "batches": list(edges(cfg)),
+      "spaces": cfg.spaces or SPACES,
+      "stream": list(cfg.stream),
+      "stratified": cfg.stratified,
+    },  # fmt: skip
     "config": dataclasses.asdict(cfg.sweep),
     "data": {k: v for k, v in data.items() if k != "seed"},
     "chosen": [{"family": f, "batch": b, "trial": t} for (f, b), t in chosen(cfg, runs).items()],
@@ -184,8 +212,9 @@ def losses(results: dict, family: str, batch: int) -> tuple[list[int], np.ndarra
 
 def table(results: dict) -> dict[int, dict[str, dict]]:
   """Batch -> ``lamb`` / ``adamw`` (final test loss of the chosen trial) and ``difference``
-  (LAMB minus AdamW), on the seeds both have (`analysis.paired`)."""
-  batches = sorted({c["batch"] for c in results["chosen"]})
+  (LAMB minus AdamW), on the seeds both have (`analysis.paired`), where both chose a trial."""
+  chosen = {(c["family"], c["batch"]) for c in results["chosen"]}
+  batches = sorted({b for _, b in chosen if all((f, b) in chosen for f in FAMILIES)})
   return {
     b: analysis.paired(losses(results, "lamb", b), losses(results, "adamw", b)) for b in batches
   }
@@ -238,8 +267,13 @@ def format_chosen(results: dict) -> str:
 def format_compute(results: dict) -> str:
   """One sentence: the budget (trials, spaces), runs, wall and CPU time, machine, dates."""
   ranges = lambda space: ", ".join(f"{k} {lo:g} to {hi:g}" for k, (lo, hi) in space.items())
+  how = (
+    "and stratified, one draw in each 1/n of every log range "
+    if results["search"].get("stratified")
+    else ""
+  )
   return (
-    f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly "
+    f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly {how}"
     f"(LAMB: {ranges(results['search']['spaces']['lamb'])}; AdamW: "
     f"{ranges(results['search']['spaces']['adamw'])}; factor on the square-root-rule learning "
     f"rate, warm-up as a fraction of the steps), scored on validation with seed "

@@ -151,24 +151,47 @@ def default_paths(preset: str) -> tuple[str, str]:
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     description=__doc__.split("\n")[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    formatter_class=records.DefaultsHelpFormatter,
     epilog="Presets on 2 CPU cores: "
     + "; ".join(f"{k}: {PRESETS[k].name} preset, {v}" for k, v in DURATIONS.items())
     + ". --out and --plot default to sweep_results.json and sweep.png for quick, and to "
     "sweep_<preset>_results.json and sweep_<preset>.png for the others.",
   )
-  parser.add_argument("--preset", choices=sorted(PRESETS), default=presets.default_preset())
-  parser.add_argument("--out", help="results JSON path")
-  parser.add_argument("--plot", help="figure path (PNG); '' for none")
-  parser.add_argument("--batches", type=int, nargs="+", help="override the batch sizes")
-  parser.add_argument("--samples", type=int, help="override the samples per run")
-  parser.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
-  parser.add_argument("--lamb-lr", type=float, help="LAMB peak lr at the largest batch")
-  parser.add_argument("--adamw-lr", type=float, help="AdamW peak lr at the smallest batch")
-  parser.add_argument("--lamb-grid", type=float, nargs="+", help="LAMB lr factors")
-  parser.add_argument("--adamw-grid", type=float, nargs="+", help="AdamW lr factors")
+  default = PRESETS[presets.default_preset()]
+  preset = lambda v: f"(default: the preset's; {default.name}: {v})"  # noqa: E731
+  many = lambda xs: " ".join(f"{x:g}" for x in xs)  # noqa: E731
+  parser.add_argument("--preset", choices=sorted(PRESETS), default=default.name, help="the preset")
+  parser.add_argument("--out", help="results JSON path (default: per preset, below)")
+  parser.add_argument("--plot", help="figure path (PNG); '' for none (default: per preset, below)")
+  parser.add_argument(
+    "--batches",
+    type=int,
+    nargs="+",
+    help=f"override the batch sizes {preset(many(default.batches))}",
+  )
+  parser.add_argument(
+    "--samples", type=int, help=f"override the samples per run {preset(default.samples)}"
+  )
+  parser.add_argument(
+    "--seeds", type=int, nargs="+", help=f"override the seeds {preset(many(default.seeds))}"
+  )
+  parser.add_argument(
+    "--lamb-lr", type=float, help=f"LAMB peak lr at the largest batch {preset(default.lamb_lr)}"
+  )
+  parser.add_argument(
+    "--adamw-lr", type=float, help=f"AdamW peak lr at the smallest batch {preset(default.adamw_lr)}"
+  )
+  parser.add_argument(
+    "--lamb-grid", type=float, nargs="+", help=f"LAMB lr factors {preset(many(default.lamb_grid))}"
+  )
+  parser.add_argument(
+    "--adamw-grid",
+    type=float,
+    nargs="+",
+    help=f"AdamW lr factors {preset(many(default.adamw_grid))}",
+  )
   parser.add_argument("--reuse", metavar="PATH", help="results JSON whose matching runs to reuse")
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser
 
 

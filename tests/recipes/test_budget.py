@@ -11,6 +11,7 @@ pytest.importorskip("flax")
 from helpers.recipes import TINY_SWEEP
 
 from optax_lamb_recipes import budget, search
+from optax_lamb_recipes import budget_report as report
 
 TINY_SEARCH = search.SearchConfig("tiny", dataclasses.replace(TINY_SWEEP, seeds=(0,)), 2, (0,), 2)
 TINY = budget.BudgetConfig("tiny", "", runs=((2, 0, (16, 32)), (2, 1, (16,), ("adamw",))))
@@ -43,6 +44,8 @@ def test_trains_the_chosen_settings_longer_on_each_seed_and_resumes(searched, tm
     # the warm-up is the same fraction of the (longer) run: the peak at that step
     peak_at = r["lr_steps"][int(np.argmax(r["lr"]))]
     assert peak_at == max(1, round(r["hyper"]["warmup_frac"] * r["steps"]))
+    # per-layer trust ratios (LAMB) and relative steps (both) are kept
+    assert ("trust_ratios" in r) == (r["family"] == "lamb") and "relative_steps" in r
   partial = dict(results, runs=results["runs"][:2])
   resumed = budget.run_budget(TINY, searched, out=str(tmp_path / "again.json"), previous=partial)
   key = lambda r: (r["multiple"], r["seed"], r["family"], r["batch"])
@@ -76,9 +79,9 @@ def _synthetic(rng):
   }
 
 
-def test_table_differences_flatness_and_gain_kept_against_numpy():
+def test_table_differences_and_flatness_against_numpy():
   results = _synthetic(np.random.default_rng(0))
-  rows = budget.table(results)
+  rows = report.table(results)
   assert set(rows) == {(16, 1), (16, 4), (512, 1), (512, 4)}
   per = lambda f, b, m: np.array(
     [
@@ -93,24 +96,19 @@ def test_table_differences_flatness_and_gain_kept_against_numpy():
     assert diff["mean"] == pytest.approx((per("lamb", b, m) - per("adamw", b, m)).mean())
     assert diff["low"] < diff["mean"] < diff["high"] and diff["seeds"] == 3
   # the end of each curve: test loss at the end minus at 80% of the samples
-  assert budget.last_change(results, "lamb", 16, 4, 0) == pytest.approx(
+  assert report.last_change(results, "lamb", 16, 4, 0) == pytest.approx(
     results["runs"][0]["test"][-1] - 5.2
   )
-  assert budget.last_change(results, "lamb", 16, 8, 0) is None
-  kept = budget.gain_kept(results)
-  for m in (1, 4):
-    for f in ("lamb", "adamw"):
-      want = (6.0 - per(f, 512, m).mean()) / (6.0 - per(f, 16, m).mean())
-      assert kept[m][f] == pytest.approx(want)
-  text = budget.format_table(results)
+  assert report.last_change(results, "lamb", 16, 8, 0) is None
+  text = report.format_table(results)
   assert text.count("\n") == 1 + len(rows)
-  said = budget.findings(results)
+  said = report.findings(results)
   assert any("LAMB better" in s for s in said)
-  ends = {m: budget._run(results, "adamw", 16, m, 0)["test"][-1] for m in (1, 4)}
+  ends = {m: report.run_at(results, "adamw", 16, m, 0)["test"][-1] for m in (1, 4)}
   assert said[0].startswith("Batch 16, seed 0, final test loss by budget: LAMB 1x ")
   assert (
     f"AdamW 1x {ends[1]:.3f}, 4x {ends[4]:.3f}; 1x to 4x: {ends[4] - ends[1]:+.3f}; "
-    f"last 20% of 4x: {budget.last_change(results, 'adamw', 16, 4, 0):+.3f} (nats)."
+    f"last 20% of 4x: {report.last_change(results, 'adamw', 16, 4, 0):+.3f} (nats)."
   ) in said[0]
 
 
@@ -128,50 +126,67 @@ def test_command_line_resumes_a_finished_file_and_prints_its_report(
   assert again["runs"] == done["runs"] and again["sessions"] == done["sessions"]  # nothing trained
   printed = capsys.readouterr().out
   assert f"resuming {out}: {len(done['runs'])} runs done" in printed
-  assert budget.format_table(done) in printed and f"results: {out}" in printed
+  assert report.format_table(done) in printed and f"results: {out}" in printed
   # without --preset and LAMB_QUICK: the claim preset (the job has no quick one)
   monkeypatch.delenv("LAMB_QUICK", raising=False)
   monkeypatch.setitem(budget.PRESETS, "claim", cfg)
   assert budget.main(["--out", out])["runs"] == done["runs"]
 
 
-def test_steps_to_target_takes_the_fewest_steps_over_the_runs():
+def test_verdicts_and_intervals_only_where_three_seeds_ran():
+  results = _synthetic(np.random.default_rng(0))
+  one = [dict(r, multiple=8) for r in results["runs"] if r["seed"] == 0]  # 8x: seed 0 only
+  results["runs"] += one
+  results["budget"]["runs"].append([8, 0, [16, 512]])
+  assert report.seeded_multiples(results) == [1, 4]
+  rows = report.table(results)
+  assert rows[16, 8]["difference"]["seeds"] == 1
+  text = report.format_table(results)
+  (line,) = [ln for ln in text.splitlines() if ln.startswith("| 16 | 8 x 50 |")]
+  lamb = np.mean(one[0]["test_per_sequence"])
+  assert line.startswith(f"| 16 | 8 x 50 | {lamb:.3f} | ") and "[" not in line  # no interval
+  said = " ".join(report.findings(results))
+  assert "At 4x the samples (3 seeds): " in said and "At 8x the samples" not in said
+  assert "At 8x fewer than 3 seeds ran: no verdict" in said
+
+
+def test_steps_to_target_is_the_median_over_seeds_at_each_budget():
   results = _synthetic(np.random.default_rng(0))
   # every run's curve passes 5.4 halfway between its 2nd and 3rd evaluation (samples 20 and 30
-  # at 1x, 80 and 120 at 4x): the 1x run gets there in fewer steps
+  # at 1x, 80 and 120 at 4x); at 4x, seed 0 of LAMB at batch 16 also reaches 3.0 at its last
   for b in (16, 512):
     for f in ("lamb", "adamw"):
-      assert budget.steps_to_target(results, f, b, 5.4) == (pytest.approx(25 / b), 1, 0)
-      assert budget.steps_to_target(results, f, b, 1.0) is None
-  # reached only at 4x, seed 0: that run goes past 3.0 at its last evaluation
+      got = report.steps_to_target(results, f, b, 4, 5.4)
+      assert got["median"] == pytest.approx(100 / b)
+      assert (got["low"], got["high"]) == (80 / b, 120 / b) and got["reached"] == 3
+      assert report.steps_to_target(results, f, b, 1, 1.0)["reached"] == 0
   run = next(r for r in results["runs"] if (r["family"], r["batch"], r["seed"]) == ("lamb", 16, 0))
   run["test"][-1] = 2.0
-  assert budget.steps_to_target(results, "lamb", 16, 3.0) == (
-    pytest.approx((160 + 40 * 2.2 / 3.2) / 16),
-    4,
-    0,
-  )
-  text = budget.format_steps_to_target(results, targets=(5.4, 3.0))
-  assert "| 5.40 | LAMB | 2 (1x, seed 0) | 0 (1x, seed 0) | 32.0 |" in text
-  assert "| 3.00 | LAMB | 12 (4x, seed 0) | never | n/a |" in text
-  said = budget.steps_findings(results, targets=(5.4, 3.0))
-  assert said[0].endswith("(perfect scaling: 32x fewer): LAMB 32.0x fewer, AdamW 32.0x fewer.")
-  assert said[1].endswith("LAMB only B=16, AdamW neither batch.")
+  one = report.steps_to_target(results, "lamb", 16, 4, 3.0)
+  assert one["reached"] == 1 and one["median"] == np.inf  # one seed of three: no median
+  text = report.format_steps_to_target(results, targets=(5.4, 3.0))
+  # the ratio and the range the brackets allow: (80 / 16) / (120 / 512) to (120 / 16) / (80 / 512)
+  want = f"32.0 ({80 / 16 / (120 / 512):.1f}-{120 / 16 / (80 / 512):.1f})"
+  assert f"| 5.40 | 4 x 50 | LAMB | 6 (5-8) | 0 (0-0) | {want} |" in text
+  assert "| 3.00 |" not in text  # no median reached 3.0
+  said = report.steps_findings(results, targets=(5.4, 3.0))
+  assert len(said) == 2 and f"LAMB to 5.4: {want}x fewer" in said[1]
+  assert said[1].endswith("; no other median reached a target.")
 
 
 def test_a_run_that_rises_far_above_its_best_is_reported_as_diverged():
   results = _synthetic(np.random.default_rng(0))
-  assert budget.diverged(results) == []  # the synthetic curves only fall
+  assert report.diverged(results) == []  # the synthetic curves only fall
   run = next(r for r in results["runs"] if (r["family"], r["batch"]) == ("adamw", 512))
   run["test"] = [6.0, 4.0, 6.5, 5.9, 5.8]  # 2.5 above its best of 4.0
-  ((got, rise),) = budget.diverged(results)
+  ((got, rise),) = report.diverged(results)
   assert got is run and rise == pytest.approx(2.5)
-  assert budget.diverged(results, rise=3.0) == []
+  assert report.diverged(results, rise=3.0) == []
   run["test"] = [6.0, 4.0, None, None, None]  # the loss stopped being finite
-  ((got, rise),) = budget.diverged(results, rise=3.0)
+  ((got, rise),) = report.diverged(results, rise=3.0)
   assert got is run and rise == np.inf
   run["test"] = [6.0, 4.0, 6.5, 5.9, 5.8]
-  (said,) = [s for s in budget.findings(results) if s.startswith("Diverged")]
+  (said,) = [s for s in report.findings(results) if s.startswith("Diverged")]
   others = [r for r in results["runs"] if (r["family"], r["batch"]) == ("adamw", 512)][1:]
   assert "AdamW B=512 4x seed 0 (+2.50, ending at 5.800, seed 1 ending at " in said
   assert f"seed 2 ending at {others[1]['test'][-1]:.3f})" in said

@@ -59,17 +59,6 @@ def test_paired_difference_is_lamb_minus_adamw_and_pairing_removes_shared_noise(
   assert per_arm["high"] - per_arm["low"] > 0.5  # unpaired, they do not
 
 
-def test_gain_kept_is_the_share_of_the_smallest_batchs_gain_over_the_baseline():
-  results = _results_with(np.full((2, 3), 5.0), np.full((2, 3), 5.5))
-  results["config"]["batches"] = [16, 64]
-  results["runs"] += [{**r, "batch": 64, "test_per_sequence": [5.5] * 3} for r in results["runs"]]
-  for arm in report.ARMS:
-    results["tuning"]["chosen_factors"][arm] = [1.0, 1.0]
-  kept = analysis.gain_kept(results)
-  assert kept[report.arm_name("lamb", "retuned per batch")] == {16: 1.0, 64: 0.5}
-  assert kept[report.arm_name("adamw", "retuned per batch")] == {16: 1.0, 64: 1.0}
-
-
 def test_cells_train_every_arms_factor_and_extra_seeds_at_the_edges_only():
   factors = {arm: [1.0, 2.0, 4.0] for arm in report.ARMS}
   factors[report.arm_name("lamb", "tuned at B_max")] = [4.0, 4.0, 4.0]
@@ -128,17 +117,21 @@ def test_findings_name_the_batches_by_the_side_of_zero_their_interval_lies_on():
     ), line
 
 
-def test_steps_to_target_interpolates_the_mean_curve_between_evaluations():
-  results = _results_with(np.zeros((2, 1)), np.zeros((2, 1)))
-  for r, curve in zip(results["runs"][:2], ([6.0, 5.0, 4.0], [6.0, 5.4, 4.2]), strict=True):
-    r |= {"samples": [160, 320, 480], "test": curve}  # batch 16: evaluations at 10, 20, 30 steps
+def test_steps_to_target_is_the_median_over_seeds_with_its_bracket():
+  results = _results_with(np.zeros((3, 1)), np.zeros((3, 1)))
+  curves = ([6.0, 5.0, 4.0], [6.0, 5.4, 4.2], [6.0, 5.9, 5.8])  # batch 16: steps 10, 20, 30
+  for r, curve in zip(results["runs"][:3], curves, strict=True):
+    r |= {"batch": 16, "samples": [160, 320, 480], "test": curve}
+  for r in results["runs"][3:]:  # AdamW stays above every target
+    r |= {"batch": 16, "samples": [160, 320, 480], "test": [6.0, 5.9, 5.8]}
   arm = report.arm_name("lamb", "retuned per batch")
-  # mean curve 6.0, 5.2, 4.1: 5.6 is crossed halfway from step 10 to step 20
-  assert analysis.steps_to_target(results, arm, 5.6) == {16: pytest.approx(15.0)}
-  assert analysis.steps_to_target(results, arm, 3.0) == {16: None}
-
-
-def test_largest_paying_batch_stops_at_the_first_doubling_that_saves_too_little():
-  assert analysis.largest_paying_batch({16: 900, 32: 450, 64: 300, 128: 290}) == 64
-  assert analysis.largest_paying_batch({16: 900, 32: 700}) is None
-  assert analysis.largest_paying_batch({16: 900, 32: 400, 64: None}) == 32
+  (got,) = analysis.steps_to_target(results, arm, 5.6).values()
+  # seed 0 crosses 5.6 at 10 + 10 * 0.4 / 1.0, seed 1 at 10 + 10 * 0.4 / 0.6, seed 2 never
+  crossings = [10 + 10 * 0.4 / 1.0, 10 + 10 * 0.4 / 0.6, np.inf]
+  assert got["median"] == pytest.approx(np.median(crossings))
+  assert (got["low"], got["high"]) == (10.0, 20.0)
+  assert (got["reached"], got["seeds"], got["spacing"]) == (2, 3, 10.0)
+  (never,) = analysis.steps_to_target(results, arm, 4.1).values()  # only seed 0 reaches 4.1
+  assert never["median"] == np.inf and never["low"] == 30.0  # at least the runs' last step
+  text = analysis.format_steps_to_target(results, targets=(5.6,))
+  assert f"| 5.60 | LAMB | {np.median(crossings):.0f} (10-20, 2/3 seeds) |" in text

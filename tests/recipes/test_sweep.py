@@ -10,7 +10,7 @@ pytest.importorskip("flax")
 
 from helpers.recipes import TINY_SWEEP as _TINY_SWEEP
 
-from optax_lamb_recipes import report, splits, sweep
+from optax_lamb_recipes import presets, report, splits, sweep
 
 
 def _tuning_run(family, batch, factor, validation, test):
@@ -130,3 +130,16 @@ def test_reuse_takes_only_runs_of_the_same_sweep_and_grid():
     sweep._reusable_runs(dataclasses.replace(wider, samples=256), previous)
   with pytest.raises(ValueError, match="tuned on seed 0, not 1"):
     sweep._reusable_runs(dataclasses.replace(wider, seeds=(1, 0)), previous)
+
+
+@pytest.mark.parametrize("quick", ["", "1"])
+def test_help_shows_each_options_default_and_never_none(quick, monkeypatch, capsys):
+  monkeypatch.setenv("LAMB_QUICK", quick)
+  with pytest.raises(SystemExit):
+    sweep.main(["--help"])
+  text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+  cfg = presets.PRESETS[presets.default_preset()]
+  assert "(default: None)" not in text and "(default: False)" not in text
+  assert f"the preset (default: {cfg.name})" in text
+  batches = " ".join(str(b) for b in cfg.batches)
+  assert f"override the batch sizes (default: the preset's; {cfg.name}: {batches})" in text
