@@ -3,6 +3,8 @@
 With lamb, MultiSteps, scan, jmp's dynamic loss scale and sharded leaves.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -367,10 +369,46 @@ def test_max_consecutive_errors_as_optax_apply_if_finite(cap, rng):
     assert int(counts.total) == int(theirs_state.total_notfinite)
 
 
+OVERFLOW_CASES = {  # (nu dtype, max_grad_norm, |g|, skipped): the threshold is sqrt(max of nu's dtype)
+  "float32, 1e20": (jnp.float32, None, 1e20, True),
+  "float32, 1e18": (jnp.float32, None, 1e18, False),
+  "float32, 1e20 clipped": (jnp.float32, 1.0, 1e20, False),  # judged after clipping
+  "float16, 300": (jnp.float16, None, 300.0, True),
+  "float16, 200": (jnp.float16, None, 200.0, False),
+}
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas_triton"])
+@pytest.mark.parametrize("case", list(OVERFLOW_CASES))
+def test_lamb_skips_a_gradient_that_would_overflow_the_second_moment(case, implementation, rng):
+  """lamb(skip_nonfinite=True) skips, by default, a finite step whose gradient squared would
+  overflow the second moment in its dtype (before issue 31 nu became inf for good); a gradient
+  below the threshold, or brought under it by clipping, is taken and leaves nu finite."""
+  nu_dtype, max_grad_norm, magnitude, skipped = OVERFLOW_CASES[case]
+  params = make_params(rng)
+  grads = make_grads(rng)
+  grads = {**grads, "w": grads["w"].at[0, 0].set(magnitude)}
+  tx = optax_lamb.lamb(1e-2, skip_nonfinite=True, nu_dtype=nu_dtype, max_grad_norm=max_grad_norm,
+                       implementation=implementation)  # fmt: skip
+  state = tx.init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # pallas_triton interpreted on the CPU
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert int(optax_lamb.skip_counts(new_state).total) == int(skipped)
+  if skipped:
+    assert_trees_equal(new_state.inner_state, state.inner_state)  # bit-identical
+    assert all(not np.asarray(u).any() for u in jax.tree.leaves(updates))
+  else:
+    floats = [x for x in jax.tree.leaves(new_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert all(bool(jnp.isfinite(x).all()) for x in floats)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
 def test_check_results_skips_a_finite_step_that_would_overflow_the_moments(implementation, rng):
-  """A finite gradient of 1e20: its square overflows nu. Checking the gradients lets it through
-  (nu is inf for good, as optax.lamb does); checking the results skips and counts it."""
+  """The generic wrapper around a transformation it cannot look into: a finite gradient of
+  1e20, whose square overflows nu. Checking the gradients lets it through (nu is inf for good,
+  as optax.lamb does); checking the results skips and counts it. lamb's own
+  skip_nonfinite=True skips it by default (the test above)."""
   params = make_params(rng)
   grads = make_grads(rng)
   huge = {**grads, "w": grads["w"].at[0, 0].set(1e20)}
