@@ -3,9 +3,9 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [stages...]
 #
-# Stages, in this order: versions pytest bench bench_many tuning pretrain. Default: versions pytest
-# bench, which fits one 10-minute call; bench_many (1,000 leaves: XLA alone compiles such a step for
-# about 2 minutes on an H100), tuning and pretrain each take a call of their own:
+# Stages, in this order: versions pytest bench offload bench_many tuning pretrain. Default: versions
+# pytest bench offload, which fits one 10-minute call; bench_many (1,000 leaves: XLA alone compiles
+# such a step for about 2 minutes on an H100), tuning and pretrain each take a call of their own:
 #   call 1: bash benchmarks/gpu_session.sh            call 2: bash benchmarks/gpu_session.sh bench_many
 # Run from anywhere (it cd's to the repository root); needs no network. Everything a stage prints is
 # also teed into $OUT/<stage>.txt; the benchmark writes $OUT/gpu_<case>.json, the tuning
@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly.
 export JAX_PLATFORMS=cuda
-STAGES="${*:-versions pytest bench}"
+STAGES="${*:-versions pytest bench offload}"
 status=0
 stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT/NAME.txt
   local name=$1 limit=$2
@@ -57,6 +57,10 @@ IMPLS="optax.lamb optax_lamb.lamb update_and_apply xla.lamb optax_lamb.lamb-bf16
 # shellcheck disable=SC2086
 stage bench 300 python3 -m benchmarks.step --cases bert-large bert-base --impls ${BENCH_IMPLS:-$IMPLS} \
   --json "$OUT/gpu_bert.json"
+# The state in host memory (optax_lamb.offload), both modes beside the on-device step, and the
+# host-device link's bandwidth (a round trip to pinned_host memory) in the same run.
+stage offload 240 python3 -m benchmarks.step --cases bert-large \
+  --impls optax_lamb.lamb offload.device offload.host --json "$OUT/gpu_offload.json"
 stage bench_many 500 python3 -m benchmarks.step --cases 1000x1000 \
   --impls optax.lamb optax_lamb.lamb update_and_apply --json "$OUT/gpu_many.json"
 

@@ -43,6 +43,10 @@ def optax_builder() -> optax.GradientTransformation:
   return optax.lamb(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
 
 
+def offloaded(compute: str) -> Callable[[], optax.GradientTransformation]:
+  return lambda: optax_lamb.offload(optax_lamb_builder()(), compute=compute)
+
+
 BF16_MOMENTS = {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16}
 
 # name -> (state family, builder of the transformation, step from transformation). Implementations
@@ -64,5 +68,10 @@ IMPLEMENTATIONS: dict[str, tuple[str, Callable, Callable]] = {
   # bfloat16 moments: 20 instead of 28 bytes per parameter to move at the floor.
   "optax_lamb.lamb-bf16": ("ours-bf16", optax_lamb_builder(**BF16_MOMENTS), update_then_apply),
   "update_and_apply-bf16": ("ours-bf16", optax_lamb_builder(**BF16_MOMENTS), update_and_apply),
+  # The state in pinned_host memory between steps (optax_lamb.offload): the update on the device
+  # (the state copied in and out inside the step) or on the host's cores. Own families: the state
+  # lives in another memory.
+  "offload.device": ("ours-offload-device", offloaded("device"), update_then_apply),
+  "offload.host": ("ours-offload-host", offloaded("host"), update_then_apply),
 }
 DEFAULT_IMPLEMENTATIONS = ("optax.lamb", "optax_lamb.lamb", "update_and_apply")

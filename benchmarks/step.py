@@ -43,8 +43,8 @@ if not __package__:  # run as a file: import from the repository root, not from 
 
 import jax
 
+from benchmarks import host_link, trees
 from benchmarks import report as reporting
-from benchmarks import trees
 from benchmarks.bandwidth import Bandwidth
 from benchmarks.case import Settings, run_case
 from benchmarks.implementations import DEFAULT_IMPLEMENTATIONS, IMPLEMENTATIONS
@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
   for name, shapes in cases.items():
     report["cases"][name] = run_case(name, shapes, settings, bandwidth, reporting.log)
   report.update(bandwidth.report_fields())
+  if any(impl.startswith("offload") for impl in settings.impls):  # the link the offload uses
+    report.update(host_link.measure((1 << 20) if args.quick else (64 << 20), settings.inner_steps))
+    reporting.log(f"host link: {report['host_link_gbps']} GB/s (round trip, both ways counted)")
   report["load_average"] = [round(x, 2) for x in os.getloadavg()]
   reporting.summarise(report)
   _write_outputs(report, args)
