@@ -22,6 +22,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # processes of their own: CI runs them (pytest -m slow)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 NUM_PROCESSES = 2

@@ -94,6 +94,7 @@ def test_smoke_preset_end_to_end(tmp_path):
   assert final_params(tmp_path)[0] == cfg.total_steps
 
 
+@pytest.mark.slow  # subprocesses: CI runs it (pytest -m slow)
 def test_sigterm_and_hard_kill_resume_bit_identically(tmp_path, corpus, reference):
   """SIGTERM saves and stops (exit 143); a SIGKILL loses what followed the last checkpoint;
   each restart continues, and the run ends where the uninterrupted one does, bit for bit."""
@@ -113,6 +114,7 @@ def test_sigterm_and_hard_kill_resume_bit_identically(tmp_path, corpus, referenc
   assert step == 32 and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.slow  # subprocesses: CI runs it (pytest -m slow)
 def test_eight_devices_with_sharded_params_match_one_device(tmp_path, corpus, reference):
   done = pretrain(*SMALL, "--corpus", corpus, "--out", str(tmp_path), "--fsdp", devices=8)
   assert done.returncode == 0, done.stdout + done.stderr
@@ -131,6 +133,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # subprocesses: CI runs it (pytest -m slow)
 def test_two_processes_match_one_device(tmp_path, corpus, reference):
   """Two jax.distributed processes of two CPU devices each, sharded params, one checkpoint."""
   coordinator = f"127.0.0.1:{free_port()}"
