@@ -151,7 +151,8 @@ def summary(results: dict, tree: str = "bert-base") -> str:
   )  # fmt: skip
   return (
     f"Compiled temporaries of one donated step ({tree}, {results['device']}, commit "
-    f"{results['commit']}, {results['date']}), as a multiple of the params' bytes: {cells}."
+    f"{', '.join(commits(results))}, {results['date']}), as a multiple of the params' bytes: "
+    f"{cells}."
   )
 
 
@@ -165,12 +166,23 @@ def table(results: dict) -> str:
   for config in results["configurations"]:
     cells = []
     for t in names:
-      r = results["trees"][t][config]
+      r = results["trees"][t].get(config)
+      if r is None:
+        cells += ["not measured", "not measured"]
+        continue
       state = f"{r['state_device_bytes_per_param']:.2f}, {r['state_host_bytes_per_param']:.2f}"
       temp = f"{r['temp_bytes_per_param']:.3f} ({r['temp_over_param_bytes']:.3f}x)"
       cells += [state, temp]
     rows.append(f"| `{config}` | " + " | ".join(cells) + " |")
   return "\n".join(rows)
+
+
+def commits(results: dict) -> list[str]:
+  """The commits the entries were measured at (a merged file may hold several)."""
+  found = {
+    r.get("commit", results["commit"]) for t in results["trees"].values() for r in t.values()
+  }
+  return sorted(found)
 
 
 def _commit() -> str:
@@ -186,28 +198,38 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--trees", nargs="+", default=["bert-base", "bert-large"])
   parser.add_argument("--configurations", nargs="+", default=list(CONFIGURATIONS))
   parser.add_argument("--json", default=DEFAULT_OUT, help="where to write the results")
+  parser.add_argument(
+    "--merge", action="store_true",
+    help="add to (or replace in) the results already at --json; each entry keeps its commit",
+  )  # fmt: skip
   args = parser.parse_args(argv)
-  results: dict = {
-    "device": machine.describe_device(),
-    "commit": _commit(),
-    "date": datetime.date.today().isoformat(),
-    "versions": machine.versions(),
-    "configurations": args.configurations,
-    "trees": {},
-  }
+  results: dict = {"trees": {}}
+  if args.merge and os.path.exists(args.json):
+    with open(args.json) as f:
+      results = json.load(f)
+  commit = _commit()
+  results.update(device=machine.describe_device(), commit=commit, versions=machine.versions(),
+                 date=datetime.date.today().isoformat())  # fmt: skip
   for name in args.trees:
     shapes = trees.NAMED_TREES[name]()
-    results["trees"][name] = {}
+    measured = results["trees"].setdefault(name, {})
     for config in args.configurations:
-      results["trees"][name][config] = measure(shapes, CONFIGURATIONS[config])
-      print(f"{name:10s} {config:40s} {results['trees'][name][config]['temp_over_param_bytes']:.4f}x",
-            flush=True)  # fmt: skip
+      measured[config] = {**measure(shapes, CONFIGURATIONS[config]), "commit": commit}
+      print(f"{name:10s} {config:40s} {measured[config]['temp_over_param_bytes']:.4f}x", flush=True)
+      _write(results, args.json)  # as it goes: a stopped run keeps what it measured
+  results["configurations"] = [
+    c for c in CONFIGURATIONS if any(c in t for t in results["trees"].values())
+  ]
+  _write(results, args.json)
   print(table(results))
-  if args.json:
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
   return results
+
+
+def _write(results: dict, path: str | None) -> None:
+  if path:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ def memory(results_dir: str, full: bool) -> str:
   results = _load(os.path.join(results_dir, "memory", "cpu-2core.json"))
   source = (
     f"Measured on {results['device']}, jax {results['versions'].get('jax', '?')}, commit "
-    f"{results['commit']}, {results['date']} (`benchmarks/results/memory/cpu-2core.json`)."
+    f"{', '.join(bench.commits(results))}, {results['date']} "
+    "(`benchmarks/results/memory/cpu-2core.json`)."
   )
   return f"{source}\n\n{bench.table(results)}" if full else bench.summary(results)
 
