@@ -259,3 +259,26 @@ def test_ratio_bounds_and_clip_off_map_to_none():
     ub = b.update(grads, b.init(params), params)[0]
   for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub), strict=True):
     np.testing.assert_array_equal(x, y)
+
+
+def test_do_update_under_inject_hyperparams():
+  """optax.inject_hyperparams hands do_update on to the update; a false one changes nothing but
+  the wrapper's own count."""
+  params = {n: jnp.asarray(p) for n, p in problem.initial_params().items()}
+  grads = {n: jnp.asarray(g) for n, g in problem.gradients()[0].items()}
+  tx = optax.inject_hyperparams(compat.onnxruntime_lamb)(lr=LR, implementation="xla")
+  state = tx.init(params)
+  updates, new = jax.jit(lambda g, s, p: tx.update(g, s, p, do_update=jnp.asarray(False)))(
+    grads, state, params
+  )
+  assert all(not np.any(u) for u in jax.tree.leaves(updates))
+  for a, b in zip(
+    jax.tree.leaves(new.inner_state), jax.tree.leaves(state.inner_state), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+  updates, _ = tx.update(grads, state, params)
+  want, _ = compat.onnxruntime_lamb(LR, implementation="xla").update(
+    grads, state.inner_state, params
+  )
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
