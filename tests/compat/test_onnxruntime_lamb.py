@@ -282,3 +282,26 @@ def test_do_update_under_inject_hyperparams():
   )
   for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("max_norm_clip,copies", [(1.0, 4), (None, 3)])
+def test_memory_cost_of_the_per_element_rules_is_held(max_norm_clip, copies):
+  """What a donated step costs on XLA:CPU today, held so that a regression still fails: the
+  per-element rules keep the old moments until the direction is known, so the moments are
+  recomputed in pass 2 (XLA:CPU copies them, as for narrow moments: 2 copies), and the guards add
+  one more (measured, not yet traced to its buffer); the clip, applied to the gradients before the
+  step (not inside it, as lamb's), keeps the clipped gradients (1). lamb's own step keeps none
+  (tests/backends/test_memory_budget.py)."""
+  shapes = {"odd": (600, 500), "stacked": (4, 512, 64), "bias": (768,), "scalar": ()}
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  tx = compat.onnxruntime_lamb(LR, max_norm_clip=max_norm_clip, implementation="xla")
+  state = jax.eval_shape(tx.init, params)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params).compile()
+  param_bytes = sum(math.prod(s) for s in shapes.values()) * 4
+  temps = compiled.memory_analysis().temp_size_in_bytes
+  assert temps <= (copies + 0.01) * param_bytes + 64 * 1024, temps / param_bytes
