@@ -305,3 +305,48 @@ def test_memory_cost_of_the_per_element_rules_is_held(max_norm_clip, copies):
   param_bytes = sum(math.prod(s) for s in shapes.values()) * 4
   temps = compiled.memory_analysis().temp_size_in_bytes
   assert temps <= (copies + 0.01) * param_bytes + 64 * 1024, temps / param_bytes
+
+
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_sharded_leaves_with_axis_name_compute_the_unsharded_step(implementation):
+  """Inside shard_map with axis_name, the clip's global norm (inf with an inf element) and the
+  trust ratios are summed over the shards: the step equals the unsharded one."""
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  rng = np.random.default_rng(3)
+  params = {"w": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32), "b": jnp.zeros(8)}
+  grads = [
+    {"w": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=8))}
+    for _ in range(3)
+  ]
+  grads[1]["w"] = grads[1]["w"].at[5, 1].set(jnp.nan)
+  grads[2]["b"] = grads[2]["b"].at[6].set(jnp.inf)
+  impl = IMPLEMENTATIONS[implementation]
+  want = _run_steps(compat.onnxruntime_lamb(LR, implementation=impl), params, grads)
+  tx = compat.onnxruntime_lamb(LR, axis_name="d", implementation=impl)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+  spec = lambda x: P("d") if jnp.ndim(x) and jnp.shape(x)[0] == 8 else P()  # noqa: E731
+  state = tx.init(params)
+  state_specs = jax.tree.map(spec, state)
+  step = jax.jit(
+    jax.shard_map(
+      lambda p, s, g: (optax.apply_updates(p, tx.update(g, s, p)[0]), tx.update(g, s, p)[1]),
+      mesh=mesh,
+      in_specs=(P("d"), state_specs, P("d")),
+      out_specs=(P("d"), state_specs),
+    )
+  )
+  got = params
+  for g in grads:
+    got, state = step(got, state, g)
+  for name in params:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def _run_steps(tx, params, grads):
+  state = tx.init(params)
+  for g in grads:
+    updates, state = jax.jit(tx.update)(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
