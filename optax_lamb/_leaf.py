@@ -157,7 +157,26 @@ def direction(m, v, p, o: LambOptions, s: StepScalars, *, decay: bool, dtype=Non
   if o.caution:
     u = cautious(u, g, kept)
   u = u if dtype is None else u.astype(dtype)
-  return add_decay(u, p, s.weight_decay) if _decays_in(o, decay, "direction") else u
+  u = add_decay(u, p, s.weight_decay) if _decays_in(o, decay, "direction") else u
+  return jnp.where(finite_direction(u, p), u, jnp.zeros_like(u)) if o.finite_guard else u
+
+
+def finite_direction(u, p) -> jax.Array:
+  """Where the direction is finite, p included (``o.finite_guard``, ONNX Runtime: its u is
+  lambda p + ..., with lambda 0 too, so a non-finite p makes u non-finite)."""
+  return jnp.logical_and(jnp.isfinite(u), jnp.isfinite(p))
+
+
+def stored_moments(m_c, v_c, m, v, p, o: LambOptions, s: StepScalars, *, decay: bool) -> tuple:
+  """The new moments `m_c`, `v_c` (compute dtype) as stored in the old ones' (`m`, `v`) dtypes;
+  with ``o.finite_guard``, the old values where the direction they give is not finite."""
+  if o.finite_guard:
+    u = adam_direction(m_c, v_c, s)
+    u = add_decay(u, p, s.weight_decay) if _decays_in(o, decay, "direction") else u
+    finite = finite_direction(u, p)
+    m_c = jnp.where(finite, m_c, m.astype(m_c.dtype))
+    v_c = jnp.where(finite, v_c, v.astype(v_c.dtype))
+  return stored(m_c, m, s), stored(v_c, v, s)
 
 
 def param_decay(p, s: StepScalars) -> jax.Array:
@@ -239,4 +258,10 @@ def update(
   if _decays_in(o, decay, "params"):
     shrink = param_decay(p, s) if apply else kept(param_decay(p, s), 0, s)
     u = (u.astype(compute_dtype(p.dtype)) - shrink).astype(p.dtype)
+  if o.finite_guard:  # ONNX Runtime: a new param that is not finite is discarded
+    new = jnp.asarray(p + u).astype(p.dtype)
+    finite = jnp.isfinite(new)
+    if apply:
+      return kept(jnp.where(finite, new, p), p, s)
+    return jnp.where(finite, u, jnp.zeros_like(u))
   return kept(jnp.asarray(p + u).astype(p.dtype), p, s) if apply else u

@@ -49,6 +49,9 @@ class LambOptions:
   # apex, timm: an adapted leaf keeps its ratio only while the weight decay is not 0, read at
   # each step (`StepScalars.adapt_gate`): an injected weight decay is only known then.
   adapt_if_decaying: bool = False
+  # ONNX Runtime: per element, a direction that is not finite (or whose p is not) is zeroed and
+  # its moments keep their old values; a new param that is not finite keeps the old one.
+  finite_guard: bool = False
   mu_dtype: np.dtype | None = None  # storage dtype of the moments (None: the param's)
   nu_dtype: np.dtype | None = None
 

@@ -82,7 +82,9 @@ class LeafPlan(NamedTuple):
   stacked_axes: int  # leading axes that index stacked layers, one ratio per slice
   axis_name: Any  # mapped axes the leaf is sharded over (psum its norms), or None
   ratio_offset: int  # first entry of this leaf in the ratio vector
-  narrow_moments: bool  # m or v is stored in a dtype narrower than the one it is computed in
+  # m or v is stored in a dtype narrower than the one it is computed in, or (finite_guard) may
+  # keep its old value where u is computed from the new one: u is then recomputed from g
+  narrow_moments: bool
 
   @property
   def slices(self) -> int:
@@ -218,7 +220,9 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
       stacked_axes=axes[i],
       axis_name=names[i],
       ratio_offset=layout.offsets[i],
-      narrow_moments=_narrow(ms[i].dtype, gs[i].dtype) or _narrow(vs[i].dtype, gs[i].dtype),
+      narrow_moments=_narrow(ms[i].dtype, gs[i].dtype)
+      or _narrow(vs[i].dtype, gs[i].dtype)
+      or config.options.finite_guard,  # the stored moments are not those u is computed from
     )
     for i, p in enumerate(ps)
   )

@@ -60,7 +60,11 @@ def chain(config: LambConfig) -> optax.GradientTransformation:
   clip, adam, decay, trust, lr = parts = stages(config)
   plain = optax.chain(*parts)
   o = config.options
-  if o.weight_decay_placement == "direction" and not o.bias_correction_on_step_size:
+  if (
+    o.weight_decay_placement == "direction"
+    and not o.bias_correction_on_step_size
+    and not o.finite_guard
+  ):
     return plain
   gradient, params_placement = (o.weight_decay_placement == p for p in ("gradient", "params"))
 
@@ -77,8 +81,12 @@ def chain(config: LambConfig) -> optax.GradientTransformation:
       ratio_params = jax.tree.map(lambda p, d: p.astype(d.dtype) - d, params, shrink)
     elif not gradient:
       u, decay_state = decay.update(u, decay_state, params)
+    if o.finite_guard:  # ONNX Runtime: a non-finite direction element is 0, its moments kept
+      u, adam_state = _finite_direction(u, params, adam_state, state[1])
     u, trust_state = trust.update(u, trust_state, ratio_params)
     u, lr_state = lr.update(u, lr_state, params)
+    if o.finite_guard:  # and a non-finite new param element is discarded (update 0)
+      u = jax.tree.map(_finite_update, u, params)
     if o.bias_correction_on_step_size:
       bcs = _leaf.bias_corrections(adam_state.count, config.hyper.b1, config.hyper.b2)
       u = jax.tree.map(lambda x: x * _leaf.step_size_correction(*bcs).astype(x.dtype), u)
@@ -87,6 +95,24 @@ def chain(config: LambConfig) -> optax.GradientTransformation:
     return u, (clip_state, adam_state, decay_state, trust_state, lr_state)
 
   return optax.GradientTransformation(plain.init, update_fn)
+
+
+def _finite_direction(u: Any, params: Any, new: Any, old: Any) -> tuple[Any, Any]:
+  """(u zeroed where `_leaf.finite_direction` is False, the Adam state `new` with the `old`
+  moments there): ``finite_guard`` on the stages' direction and moments."""
+  finite = jax.tree.map(_leaf.finite_direction, u, params)
+  keep = lambda f, n, o: jnp.where(f, n, o)
+  return (
+    jax.tree.map(lambda f, x: jnp.where(f, x, jnp.zeros_like(x)), finite, u),
+    new._replace(mu=jax.tree.map(keep, finite, new.mu, old.mu),
+                 nu=jax.tree.map(keep, finite, new.nu, old.nu)),
+  )  # fmt: skip
+
+
+def _finite_update(u: Any, p: Any) -> Any:
+  """u, or 0 where p + u (in p's dtype, as `step` applies it) is not finite (``finite_guard``)."""
+  new = jnp.asarray(p + u.astype(p.dtype)).astype(p.dtype)
+  return jnp.where(jnp.isfinite(new), u, jnp.zeros_like(u))
 
 
 def step(tx: optax.GradientTransformation, grads: Any, state: Any, params: Any, *,

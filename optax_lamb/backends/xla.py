@@ -129,7 +129,7 @@ def _smallest_within(leaves: tuple[LeafPlan, ...], total: int) -> set[int]:
 def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool) -> _Pass1:
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
-  m, v = _leaf.stored(m_c, x.m, s), _leaf.stored(v_c, x.v, s)
+  m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
   if not leaf.narrow_moments:  # u from the moments as stored (kept where skipped): the old ones
     m_c, v_c = m, v  # are then read once, where they are overwritten (no copy)
   k = leaf.stacked_axes
@@ -211,4 +211,4 @@ def _narrow_pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *,
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
-  return out, _leaf.stored(m_c, x.m, s), _leaf.stored(v_c, x.v, s)
+  return (out, *_leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay))

@@ -15,6 +15,7 @@ constructor                library
 ``torch_optimizer_lamb``   ``torch_optimizer.Lamb``
 ``keras_lamb``             ``keras.optimizers.Lamb`` (Keras 3)
 ``tfa_lamb``               ``tensorflow_addons.optimizers.LAMB``
+``onnxruntime_lamb``       ONNX Runtime training's ``LambOptimizer`` op
 =========================  ==========================================================
 
 Shared rules:
@@ -49,6 +50,7 @@ Example:
 from optax_lamb.compat.apex import apex_fused_lamb
 from optax_lamb.compat.deepspeed import deepspeed_fused_lamb
 from optax_lamb.compat.keras import keras_lamb
+from optax_lamb.compat.onnxruntime import onnxruntime_lamb
 from optax_lamb.compat.tfa import tfa_lamb
 from optax_lamb.compat.timm import timm_lamb
 from optax_lamb.compat.torch_optimizer import torch_optimizer_lamb
@@ -57,6 +59,7 @@ __all__ = (
   "apex_fused_lamb",
   "deepspeed_fused_lamb",
   "keras_lamb",
+  "onnxruntime_lamb",
   "tfa_lamb",
   "timm_lamb",
   "torch_optimizer_lamb",

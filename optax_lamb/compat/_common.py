@@ -235,3 +235,13 @@ def keras_clip_options(clipnorm, clipvalue, global_clipnorm) -> dict:
       f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
     )
   return {name: positive_or_off(value, known.get(name)) for name, value in given.items()}
+
+
+def ratio_clamps(max_coeff: Any, high: float | None, min_coeff: Any, low: float | None) -> tuple:
+  """DeepSpeed's and ONNX Runtime's max(min(r, max_coeff), min_coeff) as lamb's clamps of r >= 0:
+  (max(min_coeff, 0), max(max_coeff, min_coeff)) (min_coeff > max_coeff: r = min_coeff). With
+  both values known (`high`, `low`) a clamp that clamps nothing is None; arrays act at each step."""
+  if high is None or low is None:
+    return jnp.maximum(min_coeff, 0.0), jnp.maximum(max_coeff, min_coeff)
+  high = max(high, low)
+  return (low if low > 0 else None), (None if high == math.inf else high)

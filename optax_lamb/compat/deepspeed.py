@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax.numpy as jnp
 import optax
 
 from optax_lamb import _check_args
@@ -98,7 +97,7 @@ def deepspeed_fused_lamb(
     raise ValueError(f"max_coeff must be >= 0 (r > 0), got max_coeff={max_coeff!r}")
   if low is not None and not -math.inf < low < math.inf:
     raise ValueError(f"min_coeff must be a finite number, got min_coeff={min_coeff!r}")
-  min_ratio, max_ratio = _ratio_clamps(max_coeff, high, min_coeff, low)
+  min_ratio, max_ratio = _common.ratio_clamps(max_coeff, high, min_coeff, low)
   return _common.make(
     **{**torch_style, "eps": 0.0 if eps_inside_sqrt else eps},
     eps_root=eps if eps_inside_sqrt else 0.0,
@@ -110,13 +109,3 @@ def deepspeed_fused_lamb(
     clip_norm_eps=DEEPSPEED_CLIP_EPS,
     lamb_options=_common.lamb_options(locals()),
   )
-
-
-def _ratio_clamps(max_coeff: Any, high: float | None, min_coeff: Any, low: float | None) -> tuple:
-  """DeepSpeed's max(min(r, max_coeff), min_coeff) as lamb's clamps of r >= 0:
-  (max(min_coeff, 0), max(max_coeff, min_coeff)) (min_coeff > max_coeff: r = min_coeff). With
-  both values known (`high`, `low`) a clamp that clamps nothing is None; arrays act at each step."""
-  if high is None or low is None:
-    return jnp.maximum(min_coeff, 0.0), jnp.maximum(max_coeff, min_coeff)
-  high = max(high, low)
-  return (low if low > 0 else None), (None if high == math.inf else high)

@@ -81,6 +81,10 @@ NUMBERS = {
     "learning_rate": 2e-3, "beta_1": 0.8, "beta_2": 0.99, "epsilon": 1e-5, "weight_decay": 0.05,
     "lr": 2e-3, "decay": 0.1, "clipnorm": 0.5, "clipvalue": 0.1, "global_clipnorm": 0.5,
   },
+  "onnxruntime_lamb": {
+    "lr": 2e-3, "alpha": 0.8, "beta": 0.99, "lambda_coef": 0.05, "epsilon": 1e-5,
+    "max_norm_clip": 0.5, "ratio_min": 0.2, "ratio_max": 3.0, "loss_scale": 8.0,
+  },
 }  # fmt: skip
 _INJECTED = [
   (ctor, arg, impl)
@@ -128,6 +132,8 @@ _DECISIONS = [
   ("keras_lamb", {"global_clipnorm": -0.5, "weight_decay": 0.1}),
   ("tfa_lamb", {"decay": 0.0, "clipnorm": 0.0}),  # clipnorm 0 zeroes the gradients
   ("tfa_lamb", {"global_clipnorm": 0.05, "clipvalue": 0.0}),
+  ("onnxruntime_lamb", {"ratio_min": 1.5, "ratio_max": 0.5}),  # r = ratio_min
+  ("onnxruntime_lamb", {"max_norm_clip": math.inf, "ratio_min": -1.0}),  # no clip, no clamp
   ("apex_fused_lamb", {"grad_scale": 8.0}),  # lamb's options' numbers too
   ("keras_lamb", {"grad_scale": 8.0, "clipnorm": 0.2}),
 ]  # fmt: skip
@@ -252,6 +258,11 @@ _SPECIAL = {
   "torch_optimizer_lamb": [("eps", 0.0), ("lr", 0.0), ("clamp_value", -1.0), ("betas", (0.9, 1.0))],
   "keras_lamb": [("epsilon", 0.0), ("learning_rate", 1), ("beta_1", 1.0), ("weight_decay", -1.0)],
   "tfa_lamb": [("epsilon", 0.0), ("lr", -1.0), ("decay", -1.0), ("beta_2", 1.0)],
+  "onnxruntime_lamb": [
+    ("epsilon", 0.0), ("max_norm_clip", 0.0), ("max_norm_clip", -1.0), ("do_bias_correction", 2),
+    ("ratio_max", -1.0), ("ratio_min", math.nan), ("lr", -1.0), ("lambda_coef", -1.0),
+    ("alpha", 1.0), ("loss_scale", 0.0),
+  ],
 }  # fmt: skip
 # Words of a library's own error messages, quoted as it raises them (timm: "Invalid epsilon").
 _LIBRARY_WORDS = {"timm_lamb": {"epsilon"}}

@@ -73,6 +73,11 @@ class PallasTritonBackend:
     """Why the kernels cannot take these leaves (the step then runs on XLA), or None."""
     if plan.options.caution:
       return "caution needs each leaf's mean of [u g > 0] before u, a reduction the kernels lack"
+    if plan.options.finite_guard:
+      return (
+        "ONNX Runtime's per-element rules for non-finite values (finite_guard) are not in the "
+        "kernels"
+      )
     for leaf, x in zip(plan.leaves, leaves, strict=True):
       if leaf.size == 0:
         continue
