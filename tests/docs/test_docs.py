@@ -7,10 +7,12 @@ a loss, a batch, a mesh); a block that defines ``train_step`` is then called.
 The site itself is built (with warnings as errors) by ``.ci/run``.
 """
 
+import contextlib
 import doctest
 import glob
 import importlib.util
 import inspect
+import io
 import os
 import re
 
@@ -102,6 +104,31 @@ def test_python_blocks_of_a_page_run_in_order(page):
       args = [namespace[name] for name in inspect.signature(step).parameters]
       out = step(*args)
       assert all(bool(jax.numpy.isfinite(x).all()) for x in jax.tree.leaves(out))
+
+
+def printing_blocks():
+  """(page, block number, block) for every Python block whose comments say what it prints."""
+  return [
+    (page, i + 1, block)
+    for page in PAGES
+    for i, block in enumerate(python_blocks(page))
+    if "# prints: " in block
+  ]
+
+
+@pytest.mark.parametrize(
+  "page,number,block", printing_blocks(), ids=lambda x: x if isinstance(x, str) else None
+)
+def test_a_block_that_says_what_it_prints_runs_alone_and_prints_it(page, number, block):
+  """Such a block (the README's Quickstart) runs as written: no preamble, its own names only,
+  and its output is the text after each ``# prints: `` comment, in order."""
+  expected = [
+    line.split("# prints: ", 1)[1].rstrip() for line in block.splitlines() if "# prints: " in line
+  ]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(block, f"{page} block {number}", "exec"), {"__name__": "__main__"})
+  assert out.getvalue().splitlines() == expected, f"{page} block {number}"
 
 
 def test_readme_and_recipe_numbers_are_rendered_from_the_committed_results():
