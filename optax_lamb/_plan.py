@@ -25,7 +25,17 @@ from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalar
 
 class ScaleByTrustRatioState(NamedTuple):
   """The trust ratios of the last update: one float32 vector for the whole tree (one buffer, as
-  a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`)."""
+  a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_lamb
+    >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}
+    >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)  # bias, 2 layers
+    [1.0, 1.0, 2.0] float32
+  """
 
   ratios: jax.Array
   layout: RatioLayout

@@ -66,7 +66,8 @@ def deepspeed_fused_lamb(
   (negative ratios) is refused with a ValueError.
 
   Args:
-    lr: learning rate, a float >= 0 or an optax schedule.
+    lr: learning rate, a float >= 0 or an optax schedule (in place of a torch scheduler;
+      read with the 0-based number of past steps).
     bias_correction: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
     betas: (b1, b2), each in [0, 1).
     eps: added to sqrt(v), or inside it with ``eps_inside_sqrt``.
@@ -76,7 +77,10 @@ def deepspeed_fused_lamb(
     max_coeff: upper clamp of the trust ratio (``inf``: none).
     min_coeff: lower clamp of the trust ratio.
     amsgrad: DeepSpeed refuses True (RuntimeError), and so does this.
-    weight_decay_mask: torch's parameter groups (see the module docstring).
+    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
+      (``None`` entries count as True) or a callable(params) returning one, like
+      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
+      ``weight_decay``, False where its group has weight decay 0. None: every leaf.
     stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
     axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
     implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
@@ -86,6 +90,20 @@ def deepspeed_fused_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> tx = optax_lamb.compat.deepspeed_fused_lamb(lr=1e-3, weight_decay=0.01)
+    >>> # bias correction on the step size: 1e-3 * sqrt(1 - 0.999) / (1 - 0.9) = 3.2e-4 at step 1
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.99968 0.49984
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 0.1579, 'w': 0.3152}
   """
   if amsgrad:
     raise RuntimeError("FusedLamb does not support the AMSGrad variant.")

@@ -62,19 +62,42 @@ def test_every_public_symbol_has_an_api_entry():
   assert not missing, f"no API entry in docs/api.md for {missing}"
 
 
+def public_symbols():
+  """(qualified name, object): every name in the public modules' ``__all__``, and the backend
+  classes that ``implementation=`` takes (docs/api.md's Backends section)."""
+  from optax_lamb.backends import pallas_triton, xla
+
+  symbols = [
+    (f"{module.__name__}.{name}", getattr(module, name))
+    for module in public_modules()
+    for name in module.__all__
+    if not inspect.ismodule(getattr(module, name))
+  ]
+  backends = [xla.XlaBackend, pallas_triton.PallasTritonBackend, pallas_triton.BlockSizes]
+  return symbols + [(f"{b.__module__}.{b.__qualname__}", b) for b in backends]
+
+
 def docstring_examples():
-  finder = doctest.DocTestFinder()
+  """The doctests of every public symbol (only its own docstring: not the members that a
+  NamedTuple or dataclass inherits) and of the public modules' docstrings."""
+  finder = doctest.DocTestFinder(recurse=False)
   seen, tests = set(), []
-  for module in public_modules():
-    for name in module.__all__:
-      obj = getattr(module, name)
-      if inspect.ismodule(obj):
-        continue
-      for test in finder.find(obj, f"{module.__name__}.{name}"):
-        if test.examples and id(obj) not in seen:
-          tests.append(test)
-      seen.add(id(obj))
+  objects = [*public_symbols(), *((m.__name__, m) for m in public_modules())]
+  for name, obj in objects:
+    for test in finder.find(obj, name):
+      if test.examples and id(obj) not in seen:
+        tests.append(test)
+    seen.add(id(obj))
   return tests
+
+
+@pytest.mark.parametrize(
+  "name,obj", public_symbols(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_every_public_symbol_has_an_example_that_prints(name, obj):
+  """As optax's: an ``Example:`` section whose output the doctests check."""
+  (test,) = doctest.DocTestFinder(recurse=False).find(obj, name)
+  assert any(example.want for example in test.examples), f"{name}: no example with printed output"
 
 
 @pytest.mark.parametrize("test", docstring_examples(), ids=lambda t: t.name)
