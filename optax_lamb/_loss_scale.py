@@ -16,6 +16,9 @@ _DIVIDES = "_optax_lamb_divides_by_grad_scale"  # marks the update functions tha
 class UnscaleGradientsState(NamedTuple):
   """Number of updates seen, the argument of a ``grad_scale`` schedule.
 
+  Attributes:
+    count: int32 scalar, the number of updates taken so far.
+
   Example:
     >>> import jax.numpy as jnp, optax, optax_lamb
     >>> tx = optax_lamb.unscale_gradients(optax.constant_schedule(1024.0))

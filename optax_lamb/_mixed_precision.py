@@ -14,6 +14,11 @@ from optax_lamb import _check_args, _checks, _nnx
 class MasterWeightsState(NamedTuple):
   """Full-precision copies of the parameters, and the wrapped optimizer's state.
 
+  Attributes:
+    master: a pytree like the params: float32 copies of the low-precision leaves (the
+      others as they are); read it with :func:`optax_lamb.master_weights`.
+    inner_state: the state of the wrapped transformation, which updates ``master``.
+
   Example:
     >>> import jax.numpy as jnp, optax, optax_lamb
     >>> tx = optax_lamb.with_master_weights(optax.sgd(1e-3))

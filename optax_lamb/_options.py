@@ -167,6 +167,12 @@ class RatioLayout:
   ``offsets[i]:offsets[i + 1]``, reshaped to ``shapes[i]``: ``()`` for a plain
   leaf, the leading stacked axes of a stacked one.
 
+  Attributes:
+    treedef: the params' tree structure.
+    shapes: per leaf, the shape of its ratios.
+    offsets: per leaf, where its entries start, then the vector's length.
+    size: the vector's length.
+
   Example:
     >>> import jax.numpy as jnp, optax_lamb
     >>> params = {"layers": jnp.ones((2, 3)), "bias": jnp.ones(3)}

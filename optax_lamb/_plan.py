@@ -27,6 +27,11 @@ class ScaleByTrustRatioState(NamedTuple):
   """The trust ratios of the last update: one float32 vector for the whole tree (one buffer, as
   a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`).
 
+  Attributes:
+    ratios: float32 vector, one entry per leaf (or per stacked slice), in the order
+      that ``layout`` gives; ones before the first update.
+    layout: the static :class:`RatioLayout` (no arrays) that maps entries to leaves.
+
   Example:
     >>> import jax, jax.numpy as jnp, optax_lamb
     >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}

@@ -16,6 +16,11 @@ from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios
 class SkipNonFiniteState(NamedTuple):
   """Skip counters (int32) and the wrapped optimizer's state.
 
+  Attributes:
+    total: int32 scalar, steps skipped since ``init``.
+    consecutive: int32 scalar, steps skipped in a row up to the last update.
+    inner_state: the wrapped transformation's state, unchanged by a skipped step.
+
   Example:
     >>> import jax.numpy as jnp, optax, optax_lamb
     >>> state = optax_lamb.skip_nonfinite(optax.sgd(0.1)).init({"w": jnp.ones(2)})
@@ -30,6 +35,10 @@ class SkipNonFiniteState(NamedTuple):
 
 class SkipCounts(NamedTuple):
   """Steps skipped for non-finite gradients: in all, and in a row up to the last update.
+
+  Attributes:
+    total: int32 scalar, steps skipped since ``init``.
+    consecutive: int32 scalar, steps skipped in a row up to the last update.
 
   Example:
     >>> import jax.numpy as jnp, optax_lamb
