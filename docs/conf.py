@@ -30,6 +30,12 @@ extensions = [
   # MathJax from a Python package, copied into _static: formulas render without a network.
   "sphinx-mathjax-offline",
 ]
+# \text{max\_grad\_norm} in the docstrings' formulas: MathJax processes macros in text mode only
+# with its textmacros package (bundled by sphinx-mathjax-offline).
+mathjax3_config = {
+  "loader": {"load": ["[tex]/textmacros"]},
+  "tex": {"packages": {"[+]": ["textmacros"]}},
+}
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "_generated/benchmark_tables.md", "_generated/api_summary.md"]
 myst_enable_extensions = ["dollarmath", "colon_fence"]
