@@ -44,6 +44,9 @@ nb_execution_mode = "off"  # the notebooks are committed executed; CI checks tha
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# Types only beside documented arguments: a state type's fields are its Attributes, not a second
+# "Parameters" list made from its constructor.
+autodoc_typehints_description_target = "documented"
 # Defaults as written in the source (`dtype=jnp.float32`, not `<class 'jax.numpy.float32'>`).
 autodoc_preserve_defaults = True
 # Shown by name, not expanded into its union of array types.

@@ -38,7 +38,8 @@ class ScaleByTrustRatioState(NamedTuple):
     >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
     >>> state = tx.init(params)
     >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
-    >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)  # bias, 2 layers
+    >>> # leaves in jax.tree.leaves order: bias, then layers (one entry per layer)
+    >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)
     [1.0, 1.0, 2.0] float32
   """
 

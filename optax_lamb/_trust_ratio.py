@@ -195,7 +195,7 @@ def trust_ratios(opt_state: Any) -> Any:
     >>> ratios = optax_lamb.trust_ratios(state)
     >>> print([round(r, 4) for r in ratios["layers"].tolist()], ratios["layers"].dtype)
     [1.0, 2.0] float32
-    >>> print(ratios["layers"].shape, ratios["bias"].shape)  # one per layer; one for the leaf
+    >>> print(ratios["layers"].shape, ratios["bias"].shape)  # per layer; per leaf
     (2,) ()
   """
   found = _checks.find_states(

@@ -43,8 +43,8 @@ def apex_fused_lamb(
   .. math::
     g &\leftarrow g \min(1, c / G) \quad (c = \mathrm{max\_grad\_norm};\ c = 0: g = 0) \\
     g &\leftarrow g + \lambda p \quad (\text{adam\_w\_mode=False: L2, decayed leaves}) \\
-    m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without grad\_averaging}),
-      \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
+    m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without grad\_averaging}) \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} \; (+ \lambda p \text{ with adam\_w\_mode,
       decayed leaves}) \\
     p &\leftarrow p - \eta\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0)}
@@ -88,7 +88,7 @@ def apex_fused_lamb(
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
     >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
     >>> grads = jax.tree.map(jnp.ones_like, params)
-    >>> tx = optax_lamb.compat.apex_fused_lamb(  # b is not decayed, so it gets no trust ratio
+    >>> tx = optax_lamb.compat.apex_fused_lamb(  # b: not decayed, so no trust ratio
     ...   lr=1e-3, weight_decay=0.01, weight_decay_mask={"w": True, "b": False})
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)

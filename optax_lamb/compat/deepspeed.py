@@ -96,7 +96,7 @@ def deepspeed_fused_lamb(
     >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> tx = optax_lamb.compat.deepspeed_fused_lamb(lr=1e-3, weight_decay=0.01)
-    >>> # bias correction on the step size: 1e-3 * sqrt(1 - 0.999) / (1 - 0.9) = 3.2e-4 at step 1
+    >>> # bias correction on the step: 1e-3 * sqrt(1 - 0.999) / (1 - 0.9) = 3.2e-4
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)
     >>> new = optax.apply_updates(params, updates)

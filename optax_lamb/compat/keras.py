@@ -40,8 +40,8 @@ def keras_lamb(
     p &\leftarrow p - \eta_t \lambda p \quad \text{(decayed leaves, before the update: outside
       the ratio)} \\
     m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
-    u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon}, \qquad
-    p \leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (the decayed p; 1 if
+    u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} \\
+    p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (the decayed p; 1 if
       either is 0)}
 
   Every leaf adapts. At most one of Keras' gradient clips acts first:

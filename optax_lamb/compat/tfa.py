@@ -109,7 +109,7 @@ def tfa_lamb(
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
     >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
     >>> grads = jax.tree.map(jnp.ones_like, params)
-    >>> tx = optax_lamb.compat.tfa_lamb(  # regexes on the leaf paths; b also gets no ratio
+    >>> tx = optax_lamb.compat.tfa_lamb(  # regexes on leaf paths; b: no ratio either
     ...   learning_rate=1e-3, weight_decay=0.01, exclude_from_weight_decay=["b"])
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)

@@ -60,11 +60,14 @@ def timm_lamb(
   .. math::
     g &\leftarrow g / \max(G / c, 1) \quad (c = \mathrm{max\_grad\_norm};\ c = 0: g = 0) \\
     m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without
-      grad\_averaging}), \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
-    u &= \frac{m / bc_1}{\sqrt{v} / \sqrt{bc_2} + \epsilon}; \quad \text{caution: }
-      \kappa = [u g > 0],\ u \leftarrow u \kappa / \max(\mathrm{mean}(\kappa), 10^{-3}) \\
+      grad\_averaging}) \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
+    u &= \frac{m / bc_1}{\sqrt{v} / \sqrt{bc_2} + \epsilon} \\
+    u &\leftarrow u \kappa / \max(\mathrm{mean}(\kappa), 10^{-3}), \quad \kappa = [u g > 0]
+      \quad \text{(caution only)} \\
     u &\leftarrow u + \lambda p, \text{ or with decoupled\_decay } p \leftarrow p - s \lambda p
-      \text{ first } (s = \eta_t, \text{ or } \eta_t^2 / \eta_0 \text{ corrected}) \\
+      \text{ first} \\
+      & \quad (s = \eta_t, \text{ or } \eta_t^2 / \eta_0 \text{ corrected}) \\
     p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0;
       trust\_clip: } \min(r, 1))
 
@@ -115,8 +118,8 @@ def timm_lamb(
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
     >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
     >>> grads = jax.tree.map(jnp.ones_like, params)
-    >>> tx = optax_lamb.compat.timm_lamb(  # weight_decay=0.01 and clipping at 1.0 by default
-    ...   lr=1e-3, weight_decay_mask={"w": True, "b": False})  # b: no decay, no trust ratio
+    >>> tx = optax_lamb.compat.timm_lamb(  # weight_decay=0.01, clipping at 1.0
+    ...   lr=1e-3, weight_decay_mask={"w": True, "b": False})  # b: no decay, no ratio
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)
     >>> new = optax.apply_updates(params, updates)

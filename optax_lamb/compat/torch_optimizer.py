@@ -71,7 +71,8 @@ def torch_optimizer_lamb(
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
     >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
     >>> grads = jax.tree.map(jnp.ones_like, params)
-    >>> tx = optax_lamb.compat.torch_optimizer_lamb(lr=1e-3, weight_decay=0.01)  # no bias correction
+    >>> # no bias correction by default
+    >>> tx = optax_lamb.compat.torch_optimizer_lamb(lr=1e-3, weight_decay=0.01)
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)
     >>> new = optax.apply_updates(params, updates)
