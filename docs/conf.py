@@ -61,6 +61,8 @@ napoleon_attr_annotations = False
 html_theme = "sphinx_book_theme"
 html_title = f"optax-lamb {release}"
 html_theme_options = {"show_toc_level": 2, "use_download_button": False}
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 
 
 def _generate(app):
