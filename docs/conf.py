@@ -41,6 +41,7 @@ exclude_patterns = ["_build", "_generated/benchmark_tables.md", "_generated/api_
 myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 3
 nb_execution_mode = "off"  # the notebooks are committed executed; CI checks that separately
+nb_render_markdown_format = "gfm"  # Markdown outputs (the reports' tables) with tables
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
@@ -71,7 +72,7 @@ def _generate(app):
   shutil.rmtree(out, ignore_errors=True)
   os.makedirs(os.path.join(out, "notebooks", "results"))
   for name in ("quickstart.ipynb", "bert_large_batch.ipynb"):
-    shutil.copy(os.path.join(ROOT, "notebooks", name), os.path.join(out, "notebooks", name))
+    _copy_notebook(os.path.join(ROOT, "notebooks", name), os.path.join(out, "notebooks", name))
   for name in os.listdir(os.path.join(ROOT, "notebooks", "results")):
     if name.endswith(".png"):
       shutil.copy(
@@ -84,6 +85,29 @@ def _generate(app):
     f.write(_render.benchmark_tables(os.path.join(ROOT, "benchmarks", "results")))
   with open(os.path.join(out, "api_summary.md"), "w") as f:
     f.write(_render.api_summary(os.path.join(app.srcdir, "api.md")))
+
+
+def _copy_notebook(source: str, target: str) -> None:
+  """Copy a notebook, its printed Markdown tables (a stdout output with a ``|---`` row, as
+  `optax_lamb_recipes`' reports print them) turned into Markdown outputs, so that the site shows
+  tables rather than pipe text. The committed notebook is not changed."""
+  import json
+
+  with open(source) as f:
+    notebook = json.load(f)
+  for cell in notebook["cells"]:
+    for i, output in enumerate(cell.get("outputs", [])):
+      text = "".join(output.get("text", ""))
+      if (
+        output.get("output_type") == "stream" and output.get("name") == "stdout" and "|---" in text
+      ):
+        cell["outputs"][i] = {
+          "output_type": "display_data",
+          "data": {"text/markdown": text},
+          "metadata": {},
+        }
+  with open(target, "w") as f:
+    json.dump(notebook, f)
 
 
 def _notebook_figures(notebook: str, out: str) -> None:
