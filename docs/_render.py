@@ -46,7 +46,10 @@ def _source(report: dict, path: str) -> str:
   date = str(report.get("date", "undated"))[:10]
   device = report.get("device_kind") or report.get("device", "?")
   versions = f"jax {report.get('jax', '?')}, optax {report.get('optax', '?')}"
-  return f"{device}, {versions}, {date} (`benchmarks/results/{os.path.basename(path)}`)"
+  commit = (
+    f"commit {report['commit']}" if report.get("commit") else "commit not recorded in the file"
+  )
+  return f"{device}, {versions}, {date}, {commit} (`benchmarks/results/{os.path.basename(path)}`)"
 
 
 def case_table(report: dict) -> str:
