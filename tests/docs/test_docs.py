@@ -1,10 +1,15 @@
 """The documentation's promises: every public symbol has an API entry, every example runs.
 
-Docstring examples run as doctests. The Python blocks of the README and of
-each docs page run in order in one namespace per page (as a reader would paste
-them), after a small preamble defining the names the snippets assume (params,
-a loss, a batch, a mesh); a block that defines ``train_step`` is then called.
-The site itself is built (with warnings as errors) by ``.ci/run``.
+Every public symbol (``optax_lamb.__all__``, ``optax_lamb.compat.__all__``, the
+backend classes) has a docstring example with printed output, and the examples
+run as doctests. The Python blocks of the README and of each docs page run in
+order in one namespace per page (as a reader would paste them), after a small
+preamble defining the names the snippets assume (params, a loss, a batch, a
+mesh); a block that defines ``train_step`` is then called. A block that says
+what it prints (``# prints: ...`` comments: the README's Quickstart) also runs
+alone, without the preamble, and must print exactly that. The README's and the
+pages' rendered blocks equal a fresh ``python -m docs._render``. The site itself
+is built (with warnings as errors) by ``.ci/run``.
 """
 
 import contextlib
