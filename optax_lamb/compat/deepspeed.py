@@ -45,12 +45,12 @@ def deepspeed_fused_lamb(
 
   .. math::
     g &\leftarrow g \cdot c / (G + 10^{-6}) \quad \text{when } G + 10^{-6} > c > 0 \\
-    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2
-      \quad \text{(no bias correction inside u)} \\
+    m &\leftarrow b_1 m + (1 - b_1) g \quad \text{(no bias correction inside u)} \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{eps\_inside\_sqrt: }
       m / \sqrt{v + \epsilon}) \\
-    r &= \max(\min(\|p\| / \|u\|, \text{max\_coeff}), \text{min\_coeff}) \quad
-      (1, \text{unclamped, if either norm is } 0) \\
+    r &= \max(\min(\|p\| / \|u\|, \text{max\_coeff}), \text{min\_coeff})
+      \quad (1, \text{unclamped, if a norm is } 0) \\
     p &\leftarrow p - \eta \sqrt{bc_2} / bc_1 \, r\, u \quad (\eta \text{ without bias\_correction})
 
   Every leaf adapts, decayed or not.

@@ -63,8 +63,9 @@ def tfa_lamb(
     m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} + \lambda p \quad (\text{leaves not
       excluded from weight decay}) \\
-    p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0, and
-      on leaves excluded from layer adaptation)}
+    r &= \|p\| / \|u\| \quad \text{(1 if either is 0, and on leaves excluded from layer
+      adaptation)} \\
+    p &\leftarrow p - \eta_t\, r\, u
 
   The exclusions are lists of regexes ``re.search``'ed in each leaf's path, its
   keys joined by '/' (``{'dense': {'bias': b}}``: 'dense/bias').

@@ -37,8 +37,8 @@ def torch_optimizer_lamb(
   (release 0.3.0), ``torch_optimizer/lamb.py`` lines 45-158. Per step:
 
   .. math::
-    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2
-      \quad \text{(no clipping; no bias correction inside u)} \\
+    m &\leftarrow b_1 m + (1 - b_1) g \quad \text{(no clipping; no bias correction inside u)} \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{decayed leaves}) \\
     r &= \min(\|p\|, \text{clamp\_value}) / \|u\| \quad (1 \text{ if either is 0; adam: } r = 1) \\
     p &\leftarrow p - \eta \sqrt{bc_2} / bc_1\, r\, u \quad (\eta \text{ without debias})
