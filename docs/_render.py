@@ -3,7 +3,7 @@ recipe's claim study (`notebooks/results/study.json`), its random search (`searc
 searched settings trained longer (`budget.json`), the search past the plateau (`plateau.json`)
 and the replay of the diverged run (`divergence.json`).
 
-The docs build writes `benchmark_tables` into the benchmarks page. The README and
+The docs build writes `benchmark_tables` into the benchmarks page. The README, `docs/memory.md` and
 `docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
 `<!-- end NAME -->` markers; `python -m docs._render` rewrites them, and a test keeps them
 equal to a fresh render.
@@ -46,7 +46,10 @@ def _source(report: dict, path: str) -> str:
   date = str(report.get("date", "undated"))[:10]
   device = report.get("device_kind") or report.get("device", "?")
   versions = f"jax {report.get('jax', '?')}, optax {report.get('optax', '?')}"
-  return f"{device}, {versions}, {date} (`benchmarks/results/{os.path.basename(path)}`)"
+  commit = (
+    f"commit {report['commit']}" if report.get("commit") else "commit not recorded in the file"
+  )
+  return f"{device}, {versions}, {date}, {commit} (`benchmarks/results/{os.path.basename(path)}`)"
 
 
 def case_table(report: dict) -> str:
@@ -179,7 +182,13 @@ def memory(results_dir: str, full: bool) -> str:
   """The memory benchmark (benchmarks/memory.py): its table, or its one-line summary."""
   from benchmarks import memory as bench
 
-  results = _load(os.path.join(results_dir, "memory", "cpu-2core.json"))
+  path = os.path.join(results_dir, "memory", "cpu-2core.json")
+  if not os.path.exists(path):  # not committed yet: say so rather than print a number
+    return (
+      "Memory: not measured at this commit (`benchmarks/results/memory/cpu-2core.json`, written by "
+      "`python -m benchmarks.memory`, is not committed yet)."
+    )
+  results = _load(path)
   source = (
     f"Measured on {results['device']}, jax {results['versions'].get('jax', '?')}, commit "
     f"{', '.join(bench.commits(results))}, {results['date']} "
@@ -215,6 +224,95 @@ def divergence_summary(divergence_path: str) -> str:
   )
 
 
+# What each public symbol replaces in optax, where it has a counterpart (the API summary's last
+# column; a symbol not listed here shows "none").
+_OPTAX_EQUIVALENT = {
+  "optax_lamb.lamb": "`optax.lamb` (first seven arguments)",
+  "optax_lamb.update_and_apply": "`tx.update` + `optax.apply_updates`",
+  "optax_lamb.scale_by_adam": "`optax.scale_by_adam`",
+  "optax_lamb.add_decayed_weights": "`optax.add_decayed_weights`",
+  "optax_lamb.scale_by_trust_ratio": "`optax.scale_by_trust_ratio`",
+  "optax_lamb.clip_by_global_norm": "`optax.clip_by_global_norm`",
+  "optax_lamb.skip_nonfinite": "`optax.apply_if_finite`",
+  "optax_lamb.SkipNonFiniteState": "`optax.ApplyIfFiniteState`",
+  "optax_lamb.ScaleByTrustRatioState": "`optax.ScaleByTrustRatioState` (which keeps no ratios)",
+}
+
+
+def _summary_line(obj: object) -> str:
+  """The first paragraph of a docstring, its reST roles and literals written as MyST, and
+  names relative to the package (``:func:`with_master_weights```) made absolute."""
+  import inspect
+  import re
+
+  import optax_lamb
+
+  doc = inspect.getdoc(obj) or ""
+  text = " ".join(doc.split("\n\n")[0].split())
+
+  def role(m: re.Match) -> str:
+    kind, target = m.group(1), m.group(2)
+    if kind != "math" and "." not in target and hasattr(optax_lamb, target.lstrip("~")):
+      target = f"~optax_lamb.{target.lstrip('~')}"
+    return f"{{{kind}}}`{target}`"
+
+  text = re.sub(r":(\w+):`([^`]+)`", role, text)  # :func:`x` -> {func}`x`
+  text = re.sub(r"``([^`]+)``", r"`\1`", text)
+  return text.replace("|", "\\|")
+
+
+def api_summary(api_page: str) -> str:
+  """docs/api.md's summary tables, generated from the package: every name in
+  ``optax_lamb.__all__`` and ``optax_lamb.compat.__all__`` and the backend classes, each linked to
+  its entry, with the first paragraph of its docstring; in the order of the entries on
+  `api_page` (names without an entry last)."""
+  import inspect
+  import re
+
+  import optax_lamb
+  from optax_lamb import compat
+  from optax_lamb.backends import pallas_triton, xla
+
+  with open(api_page) as f:
+    order = re.findall(r"\.\. auto(?:function|class):: ([\w.]+)", f.read())
+
+  def position(item: tuple[str, object]) -> int:
+    return order.index(item[0]) if item[0] in order else len(order)
+
+  def table(names: list[tuple[str, object]], equivalents: bool) -> str:
+    rows = ["| symbol | what it is |" + (" optax equivalent |" if equivalents else "")]
+    rows.append("|---|---|" + ("---|" if equivalents else ""))
+    for name, obj in sorted(names, key=position):
+      cells = [f"{{py:obj}}`{name.rsplit('.', 1)[-1]} <{name}>`", _summary_line(obj)]
+      if equivalents:
+        cells.append(_OPTAX_EQUIVALENT.get(name, "none"))
+      rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+  def public(module):
+    return [
+      (f"{module.__name__}.{n}", getattr(module, n))
+      for n in module.__all__
+      if not inspect.ismodule(getattr(module, n))
+    ]
+
+  backends = [
+    ("optax_lamb.backends.xla.XlaBackend", xla.XlaBackend),
+    ("optax_lamb.backends.pallas_triton.PallasTritonBackend", pallas_triton.PallasTritonBackend),
+    ("optax_lamb.backends.pallas_triton.BlockSizes", pallas_triton.BlockSizes),
+  ]
+  return (
+    "\n\n".join(
+      [
+        "In `optax_lamb`:\n\n" + table(public(optax_lamb), equivalents=True),
+        "In `optax_lamb.compat`, one constructor per library:\n\n" + table(public(compat), False),
+        "Backends, for `implementation=`:\n\n" + table(backends, False),
+      ]
+    )
+    + "\n"
+  )
+
+
 def _blocks(root: str) -> dict[str, dict[str, str]]:
   """File -> block name -> its content, rendered now from the committed results."""
   results = os.path.join(root, "benchmarks", "results")
@@ -227,12 +325,9 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
     "README.md": {
       "headline figures": headline(results),
       "memory": memory(results, full=False),
+      # The README keeps the claim study's table; the steps to a target, the random search, the
+      # longer training, the replay and the search past the plateau are docs/recipe.md's.
       "recipe study": study_summary(study),
-      "steps to target": steps_to_target(study, table=False),
-      "random search": search_summary(searched, full=False),
-      "longer training": budget_summary(longer, full=False),
-      "divergence": divergence_summary(replay),
-      "past the plateau": plateau_summary(past, full=False),
     },
     os.path.join("docs", "memory.md"): {"memory": memory(results, full=True)},
     os.path.join("docs", "recipe.md"): {

@@ -52,7 +52,11 @@ def scale_by_adam(
     >>> import jax.numpy as jnp, optax_lamb
     >>> tx = optax_lamb.scale_by_adam()
     >>> state = tx.init({"w": jnp.ones(3)})
-    >>> updates, state = tx.update({"w": jnp.ones(3)}, state)
+    >>> updates, state = tx.update({"w": jnp.array([1.0, -2.0, 0.5])}, state)
+    >>> print([round(x, 4) for x in updates["w"].tolist()])  # step 1: about sign(g)
+    [1.0, -1.0, 1.0]
+    >>> print(type(state).__name__, state.mu["w"].dtype)
+    ScaleByAdamState float32
   """
   _check_args.check_in_unit_interval("b1", b1)
   _check_args.check_in_unit_interval("b2", b2)

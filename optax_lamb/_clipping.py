@@ -28,6 +28,18 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
 
   Returns:
     An :class:`optax.GradientTransformation` with :class:`optax.EmptyState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.clip_by_global_norm(1.0)
+    >>> grads = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([0.0, 4.0])}  # global norm 5
+    >>> updates, _ = tx.update(grads, tx.init(grads))
+    >>> print({k: [round(x, 4) for x in v.tolist()] for k, v in updates.items()})
+    {'a': [0.6, 0.0], 'b': [0.0, 0.8]}
+    >>> g16 = {"a": jnp.full(4, 60000.0, jnp.float16)}  # norm 120000: inf in float16
+    >>> updates, _ = tx.update(g16, tx.init(g16))
+    >>> print(updates["a"].tolist(), updates["a"].dtype)
+    [0.5, 0.5, 0.5, 0.5] float16
   """
   _check_args.check_positive("max_norm", max_norm)
   _check_args.check_axis_name("axis_name", axis_name)

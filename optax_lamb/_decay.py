@@ -31,6 +31,15 @@ def add_decayed_weights(
 
   Returns:
     An :class:`optax.GradientTransformation`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.add_decayed_weights(0.1, mask={"w": True, "b": False})
+    >>> params = {"w": jnp.ones(2), "b": jnp.ones(2)}
+    >>> zeros = jax.tree.map(jnp.zeros_like, params)
+    >>> updates, _ = tx.update(zeros, tx.init(params), params)
+    >>> print([round(x, 4) for x in updates["w"].tolist()], updates["b"].tolist())
+    [0.1, 0.1] [0.0, 0.0]
   """
   _check_args.check_non_negative("weight_decay", weight_decay, schedule=True)
   _check_args.check_per_leaf("mask", mask, "bool")

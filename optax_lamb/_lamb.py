@@ -117,6 +117,11 @@ def lamb(
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
+    >>> print([round(x, 4) for x in params["w"][0].tolist()])
+    [0.999, 0.999, 0.999]
+    >>> ratios = optax_lamb.trust_ratios(state)  # ||p|| / ||u||; 1 where ||p|| = 0
+    >>> print({name: round(float(r), 4) for name, r in ratios.items()})
+    {'b': 1.0, 'w': 0.9901}
 
   References:
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76

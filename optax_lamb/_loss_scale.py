@@ -14,7 +14,19 @@ _DIVIDES = "_optax_lamb_divides_by_grad_scale"  # marks the update functions tha
 
 
 class UnscaleGradientsState(NamedTuple):
-  """Number of updates seen, the argument of a ``grad_scale`` schedule."""
+  """Number of updates seen, the argument of a ``grad_scale`` schedule.
+
+  Attributes:
+    count: int32 scalar, the number of updates taken so far.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> tx = optax_lamb.unscale_gradients(optax.constant_schedule(1024.0))
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> updates, state = tx.update({"w": jnp.full(2, 2048.0)}, state)
+    >>> print(updates["w"].tolist(), int(state.count), state.count.dtype)
+    [2.0, 2.0] 1 int32
+  """
 
   count: jax.Array  # type: ignore[assignment]  # as optax's count states (shadows tuple.count)
 
@@ -75,6 +87,8 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
     >>> tx = optax.chain(optax_lamb.unscale_gradients(), optax.sgd(0.1))
     >>> state = tx.init({"w": jnp.ones(2)})
     >>> updates, state = tx.update({"w": jnp.ones(2) * 1024.0}, state, grad_scale=1024.0)
+    >>> print([round(x, 4) for x in updates["w"].tolist()])  # -0.1 * 1024 / 1024
+    [-0.1, -0.1]
   """
   check_grad_scale(grad_scale)
   is_schedule = callable(grad_scale)

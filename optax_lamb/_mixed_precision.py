@@ -12,7 +12,20 @@ from optax_lamb import _check_args, _checks, _nnx
 
 
 class MasterWeightsState(NamedTuple):
-  """Full-precision copies of the parameters, and the wrapped optimizer's state."""
+  """Full-precision copies of the parameters, and the wrapped optimizer's state.
+
+  Attributes:
+    master: a pytree like the params: float32 copies of the low-precision leaves (the
+      others as they are); read it with :func:`optax_lamb.master_weights`.
+    inner_state: the state of the wrapped transformation, which updates ``master``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> tx = optax_lamb.with_master_weights(optax.sgd(1e-3))
+    >>> state = tx.init({"w": jnp.ones(3, jnp.bfloat16)})
+    >>> print(type(state).__name__, state.master["w"].dtype)
+    MasterWeightsState float32
+  """
 
   master: Any
   inner_state: Any
@@ -57,6 +70,21 @@ def with_master_weights(
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with :class:`MasterWeightsState`;
     its updates have the params' dtypes.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> grads = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> for tx in (optax.sgd(1e-3), optax_lamb.with_master_weights(optax.sgd(1e-3))):
+    ...   p, state = params, tx.init(params)
+    ...   for _ in range(3):  # three steps of 0.001
+    ...     updates, state = tx.update(grads, state, p)
+    ...     p = optax.apply_updates(p, updates)
+    ...   print(p["w"].dtype, [round(x, 4) for x in p["w"].astype(jnp.float32).tolist()])
+    bfloat16 [1.0, 1.0, 1.0]
+    bfloat16 [0.9961, 0.9961, 0.9961]
+    >>> print([round(x, 4) for x in optax_lamb.master_weights(state)["w"].tolist()])
+    [0.997, 0.997, 0.997]
   """
   _check_args.check_transformation("inner", inner)
   dtype = _check_args.check_float_dtype("dtype", dtype, optional=False)
@@ -100,6 +128,14 @@ def master_weights(opt_state: Any) -> Any:
 
   Returns:
     A pytree like the params, in float32 (or the params' dtype where wider).
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = optax_lamb.lamb(1e-3, master_weights=True).init(params)
+    >>> master = optax_lamb.master_weights(state)
+    >>> print(master["w"].dtype, master["w"].tolist())
+    float32 [1.0, 1.0, 1.0]
   """
   found = _checks.find_states(
     opt_state,

@@ -169,6 +169,20 @@ class RatioLayout:
   Leaf ``i`` (in ``jax.tree.leaves`` order of the params) owns the entries
   ``offsets[i]:offsets[i + 1]``, reshaped to ``shapes[i]``: ``()`` for a plain
   leaf, the leading stacked axes of a stacked one.
+
+  Attributes:
+    treedef: the params' tree structure.
+    shapes: per leaf, the shape of its ratios.
+    offsets: per leaf, where its entries start, then the vector's length.
+    size: the vector's length.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> params = {"layers": jnp.ones((2, 3)), "bias": jnp.ones(3)}
+    >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
+    >>> layout = tx.init(params).layout
+    >>> print(layout.shapes, layout.offsets)
+    ((), (2,)) (0, 1, 3)
   """
 
   treedef: Any  # of the params

@@ -25,7 +25,23 @@ from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalar
 
 class ScaleByTrustRatioState(NamedTuple):
   """The trust ratios of the last update: one float32 vector for the whole tree (one buffer, as
-  a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`)."""
+  a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`).
+
+  Attributes:
+    ratios: float32 vector, one entry per leaf (or per stacked slice), in the order
+      that ``layout`` gives; ones before the first update.
+    layout: the static :class:`RatioLayout` (no arrays) that maps entries to leaves.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_lamb
+    >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}
+    >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> # leaves in jax.tree.leaves order: bias, then layers (one entry per layer)
+    >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)
+    [1.0, 1.0, 2.0] float32
+  """
 
   ratios: jax.Array
   layout: RatioLayout

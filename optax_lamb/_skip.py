@@ -14,7 +14,19 @@ from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios
 
 
 class SkipNonFiniteState(NamedTuple):
-  """Skip counters (int32) and the wrapped optimizer's state."""
+  """Skip counters (int32) and the wrapped optimizer's state.
+
+  Attributes:
+    total: int32 scalar, steps skipped since ``init``.
+    consecutive: int32 scalar, steps skipped in a row up to the last update.
+    inner_state: the wrapped transformation's state, unchanged by a skipped step.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> state = optax_lamb.skip_nonfinite(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    >>> print(int(state.total), int(state.consecutive), state.total.dtype)
+    0 0 int32
+  """
 
   total: jax.Array
   consecutive: jax.Array
@@ -22,7 +34,19 @@ class SkipNonFiniteState(NamedTuple):
 
 
 class SkipCounts(NamedTuple):
-  """Steps skipped for non-finite gradients: in all, and in a row up to the last update."""
+  """Steps skipped for non-finite gradients: in all, and in a row up to the last update.
+
+  Attributes:
+    total: int32 scalar, steps skipped since ``init``.
+    consecutive: int32 scalar, steps skipped in a row up to the last update.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.lamb(1e-3, skip_nonfinite=True)
+    >>> total, consecutive = optax_lamb.skip_counts(tx.init({"w": jnp.ones(2)}))
+    >>> print(int(total), int(consecutive), total.shape)
+    0 0 ()
+  """
 
   total: jax.Array
   consecutive: jax.Array
@@ -127,6 +151,18 @@ def skip_nonfinite(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> tx = optax_lamb.skip_nonfinite(optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state, params)
+    >>> print(updates["w"].tolist(), int(optax_lamb.skip_counts(state).total))  # skipped
+    [0.0, 0.0] 1
+    >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+    >>> print([round(x, 4) for x in updates["w"].tolist()])  # taken
+    [-0.1, -0.1]
   """
   _check_args.check_transformation("inner", inner)
   _check_args.check_axis_name("axis_name", axis_name)
@@ -215,6 +251,16 @@ def skip_counts(opt_state: Any) -> SkipCounts:
 
   Returns:
     :class:`SkipCounts` ``(total, consecutive)`` as int32 scalars.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.lamb(1e-3, skip_nonfinite=True)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    >>> counts = optax_lamb.skip_counts(state)
+    >>> print(int(counts.total), int(counts.consecutive), counts.total.dtype)
+    1 1 int32
   """
   found = _checks.find_states(
     opt_state,

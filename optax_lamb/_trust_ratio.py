@@ -55,6 +55,15 @@ def scale_by_trust_ratio(
   References:
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.scale_by_trust_ratio()
+    >>> params = {"w": jnp.full(4, 2.0), "b": jnp.zeros(2)}  # ||w|| = 4, ||b|| = 0
+    >>> updates = {"w": jnp.full(4, 0.5), "b": jnp.ones(2)}  # ||u_w|| = 1
+    >>> scaled, state = tx.update(updates, tx.init(params), params)
+    >>> print(scaled["w"].tolist(), scaled["b"].tolist())  # r = 4, and 1 for a zero norm
+    [2.0, 2.0, 2.0, 2.0] [1.0, 1.0]
   """
   _check_args.check_non_negative("min_norm", min_norm)
   _check_args.check_positive("trust_coefficient", trust_coefficient)
@@ -176,6 +185,18 @@ def trust_ratios(opt_state: Any) -> Any:
   Returns:
     A pytree like the params with float32 ratios (shape ``()`` per leaf, or the
     stacked-layer shape); a tuple of such trees if there are several stages.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_lamb
+    >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}
+    >>> tx = optax_lamb.lamb(1e-3, stacked_axes={"layers": 1, "bias": 0})
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> ratios = optax_lamb.trust_ratios(state)
+    >>> print([round(r, 4) for r in ratios["layers"].tolist()], ratios["layers"].dtype)
+    [1.0, 2.0] float32
+    >>> print(ratios["layers"].shape, ratios["bias"].shape)  # per layer; per leaf
+    (2,) ()
   """
   found = _checks.find_states(
     opt_state,

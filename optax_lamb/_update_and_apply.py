@@ -38,6 +38,8 @@ def update_and_apply(
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> params, state = optax_lamb.update_and_apply(tx, grads, state, params)
+    >>> print([round(x, 4) for x in params["w"][0].tolist()], params["w"].dtype)
+    [0.999, 0.999, 0.999] float32
   """
   fused = getattr(tx.update, "fused_apply", None)
   if fused is not None:

@@ -45,6 +45,16 @@ class XlaBackend:
     materialize_u_max_size: the smallest leaves, up to this many elements in all
       (4K: 16 KiB of float32), keep u in memory between the norm and the update;
       the others recompute it.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> from optax_lamb.backends.xla import XlaBackend
+    >>> tx = optax_lamb.lamb(1e-3, implementation=XlaBackend(materialize_u_max_size=0))
+    >>> params = {"w": jnp.ones((3, 3))}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> print([round(x, 4) for x in optax.apply_updates(params, updates)["w"][0].tolist()])
+    [0.999, 0.999, 0.999]
   """
 
   name = "xla"

@@ -43,8 +43,8 @@ def apex_fused_lamb(
   .. math::
     g &\leftarrow g \min(1, c / G) \quad (c = \mathrm{max\_grad\_norm};\ c = 0: g = 0) \\
     g &\leftarrow g + \lambda p \quad (\text{adam\_w\_mode=False: L2, decayed leaves}) \\
-    m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without grad\_averaging}),
-      \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
+    m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without grad\_averaging}) \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} \; (+ \lambda p \text{ with adam\_w\_mode,
       decayed leaves}) \\
     p &\leftarrow p - \eta\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0)}
@@ -55,7 +55,8 @@ def apex_fused_lamb(
   ``optax.inject_hyperparams`` passes it) decides this at each step.
 
   Args:
-    lr: learning rate, a float >= 0 or an optax schedule.
+    lr: learning rate, a float >= 0 or an optax schedule (in place of a torch scheduler;
+      read with the 0-based number of past steps).
     bias_correction: divide m and v by 1 - b^t inside u.
     betas: (b1, b2), each in [0, 1).
     eps: added to sqrt(v / bc2).
@@ -68,7 +69,10 @@ def apex_fused_lamb(
       ``None`` is a TypeError (apex fails with one in its kernel call); a
       negative c (apex: every gradient's sign flipped) is a ValueError.
     use_nvlamb: every leaf adapts, decayed or not.
-    weight_decay_mask: torch's parameter groups (see the module docstring).
+    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
+      (``None`` entries count as True) or a callable(params) returning one, like
+      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
+      ``weight_decay``, False where its group has weight decay 0. Such a leaf also gets no trust ratio unless ``use_nvlamb``, as in apex. None: every leaf.
     set_grad_none: accepted and ignored (apex zeroes torch gradient buffers with it).
     stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
     axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
@@ -79,6 +83,20 @@ def apex_fused_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> tx = optax_lamb.compat.apex_fused_lamb(  # b: not decayed, so no trust ratio
+    ...   lr=1e-3, weight_decay=0.01, weight_decay_mask={"w": True, "b": False})
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.999 0.499
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 1.0, 'w': 0.9901}
   """
   del set_grad_none
   if amsgrad:

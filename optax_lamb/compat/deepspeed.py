@@ -44,12 +44,12 @@ def deepspeed_fused_lamb(
 
   .. math::
     g &\leftarrow g \cdot c / (G + 10^{-6}) \quad \text{when } G + 10^{-6} > c > 0 \\
-    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2
-      \quad \text{(no bias correction inside u)} \\
+    m &\leftarrow b_1 m + (1 - b_1) g \quad \text{(no bias correction inside u)} \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{eps\_inside\_sqrt: }
       m / \sqrt{v + \epsilon}) \\
-    r &= \max(\min(\|p\| / \|u\|, \text{max\_coeff}), \text{min\_coeff}) \quad
-      (1, \text{unclamped, if either norm is } 0) \\
+    r &= \max(\min(\|p\| / \|u\|, \text{max\_coeff}), \text{min\_coeff})
+      \quad (1, \text{unclamped, if a norm is } 0) \\
     p &\leftarrow p - \eta \sqrt{bc_2} / bc_1 \, r\, u \quad (\eta \text{ without bias\_correction})
 
   Every leaf adapts, decayed or not.
@@ -65,7 +65,8 @@ def deepspeed_fused_lamb(
   (negative ratios) is refused with a ValueError.
 
   Args:
-    lr: learning rate, a float >= 0 or an optax schedule.
+    lr: learning rate, a float >= 0 or an optax schedule (in place of a torch scheduler;
+      read with the 0-based number of past steps).
     bias_correction: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
     betas: (b1, b2), each in [0, 1).
     eps: added to sqrt(v), or inside it with ``eps_inside_sqrt``.
@@ -75,7 +76,10 @@ def deepspeed_fused_lamb(
     max_coeff: upper clamp of the trust ratio (``inf``: none).
     min_coeff: lower clamp of the trust ratio.
     amsgrad: DeepSpeed refuses True (RuntimeError), and so does this.
-    weight_decay_mask: torch's parameter groups (see the module docstring).
+    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
+      (``None`` entries count as True) or a callable(params) returning one, like
+      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
+      ``weight_decay``, False where its group has weight decay 0. None: every leaf.
     stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
     axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
     implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
@@ -85,6 +89,20 @@ def deepspeed_fused_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> tx = optax_lamb.compat.deepspeed_fused_lamb(lr=1e-3, weight_decay=0.01)
+    >>> # bias correction on the step: 1e-3 * sqrt(1 - 0.999) / (1 - 0.9) = 3.2e-4
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.99968 0.49984
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 0.1579, 'w': 0.3152}
   """
   if amsgrad:
     raise RuntimeError("FusedLamb does not support the AMSGrad variant.")

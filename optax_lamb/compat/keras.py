@@ -40,8 +40,8 @@ def keras_lamb(
     p &\leftarrow p - \eta_t \lambda p \quad \text{(decayed leaves, before the update: outside
       the ratio)} \\
     m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
-    u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon}, \qquad
-    p \leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (the decayed p; 1 if
+    u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} \\
+    p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (the decayed p; 1 if
       either is 0)}
 
   Every leaf adapts. At most one of Keras' gradient clips acts first:
@@ -64,7 +64,9 @@ def keras_lamb(
     beta_2: b2 in [0, 1).
     epsilon: added to sqrt(v / bc2), > 0 (0 would give 0 / 0 where g = 0).
     weight_decay: lambda >= 0, or None: no decay.
-    weight_decay_mask: which leaves decay (see the module docstring); None: all.
+    weight_decay_mask: which leaves decay: a pytree prefix of bools (``None`` entries
+      count as True) or a callable(params) returning one, like :func:`optax_lamb.lamb`'s
+      ``mask``; None: every leaf.
     clipnorm: per-variable clip threshold: per leaf, or per stacked slice with
       ``stacked_axes`` (one layer's variable).
     clipvalue: elementwise clip threshold.
@@ -79,6 +81,20 @@ def keras_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> tx = optax_lamb.compat.keras_lamb(  # decay applied to p before the step
+    ...   learning_rate=1e-3, weight_decay=0.01, weight_decay_mask={"w": True, "b": False})
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.99899 0.4995
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 0.5, 'w': 1.0}
   """
   if isinstance(learning_rate, (bool, int)):
     raise ValueError(

@@ -63,8 +63,9 @@ def tfa_lamb(
     m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= \frac{m / bc_1}{\sqrt{v / bc_2} + \epsilon} + \lambda p \quad (\text{leaves not
       excluded from weight decay}) \\
-    p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0, and
-      on leaves excluded from layer adaptation)}
+    r &= \|p\| / \|u\| \quad \text{(1 if either is 0, and on leaves excluded from layer
+      adaptation)} \\
+    p &\leftarrow p - \eta_t\, r\, u
 
   The exclusions are lists of regexes ``re.search``'ed in each leaf's path, its
   keys joined by '/' (``{'dense': {'bias': b}}``: 'dense/bias').
@@ -104,6 +105,20 @@ def tfa_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> tx = optax_lamb.compat.tfa_lamb(  # regexes on leaf paths; b: no ratio either
+    ...   learning_rate=1e-3, weight_decay=0.01, exclude_from_weight_decay=["b"])
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.999 0.499
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 1.0, 'w': 0.9901}
   """
   keywords = {"clipnorm": clipnorm, "clipvalue": clipvalue, "lr": lr, "decay": decay}
   keywords["global_clipnorm"] = global_clipnorm

@@ -60,11 +60,14 @@ def timm_lamb(
   .. math::
     g &\leftarrow g / \max(G / c, 1) \quad (c = \mathrm{max\_grad\_norm};\ c = 0: g = 0) \\
     m &\leftarrow b_1 m + b_3 g \quad (b_3 = 1 - b_1, \text{ or } 1 \text{ without
-      grad\_averaging}), \qquad v \leftarrow b_2 v + (1 - b_2) g^2 \\
-    u &= \frac{m / bc_1}{\sqrt{v} / \sqrt{bc_2} + \epsilon}; \quad \text{caution: }
-      \kappa = [u g > 0],\ u \leftarrow u \kappa / \max(\mathrm{mean}(\kappa), 10^{-3}) \\
+      grad\_averaging}) \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
+    u &= \frac{m / bc_1}{\sqrt{v} / \sqrt{bc_2} + \epsilon} \\
+    u &\leftarrow u \kappa / \max(\mathrm{mean}(\kappa), 10^{-3}), \quad \kappa = [u g > 0]
+      \quad \text{(caution only)} \\
     u &\leftarrow u + \lambda p, \text{ or with decoupled\_decay } p \leftarrow p - s \lambda p
-      \text{ first } (s = \eta_t, \text{ or } \eta_t^2 / \eta_0 \text{ corrected}) \\
+      \text{ first} \\
+      & \quad (s = \eta_t, \text{ or } \eta_t^2 / \eta_0 \text{ corrected}) \\
     p &\leftarrow p - \eta_t\, r\, u, \quad r = \|p\| / \|u\| \text{ (1 if either is 0;
       trust\_clip: } \min(r, 1))
 
@@ -80,7 +83,8 @@ def timm_lamb(
   ValueError.
 
   Args:
-    lr: learning rate eta_t, a float >= 0 or an optax schedule.
+    lr: learning rate eta_t, a float >= 0 or an optax schedule (in place of a torch
+      scheduler; read with the 0-based number of past steps).
     bias_correction: divide m and v by 1 - b^t inside u.
     betas: (b1, b2), each in [0, 1).
     eps: added to sqrt(v) / sqrt(bc2), > 0 (0 would give 0 / 0 where g = 0).
@@ -93,7 +97,10 @@ def timm_lamb(
     caution: timm's cautious update.
     decoupled_decay: shrink p by s lambda p before the step, outside the ratio.
     corrected_weight_decay: s = eta_t^2 / eta_0 instead of eta_t.
-    weight_decay_mask: torch's parameter groups (see the module docstring).
+    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
+      (``None`` entries count as True) or a callable(params) returning one, like
+      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
+      ``weight_decay``, False where its group has weight decay 0. Such a leaf also gets no trust ratio unless ``always_adapt``, as in timm. None: every leaf.
     base_lr: eta_0 for ``corrected_weight_decay`` with a schedule as ``lr``, or with an
       ``lr`` that ``optax.inject_hyperparams`` changes during the run (without it, the
       injected lr of each step is its own base).
@@ -106,6 +113,20 @@ def timm_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> tx = optax_lamb.compat.timm_lamb(  # weight_decay=0.01, clipping at 1.0
+    ...   lr=1e-3, weight_decay_mask={"w": True, "b": False})  # b: no decay, no ratio
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.999 0.499
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 1.0, 'w': 0.9901}
   """
   _timm_validate("learning rate", lr, "lr")
   _timm_validate("epsilon", eps, "eps")

@@ -37,8 +37,8 @@ def torch_optimizer_lamb(
   (release 0.3.0), ``torch_optimizer/lamb.py`` lines 45-158. Per step:
 
   .. math::
-    m &\leftarrow b_1 m + (1 - b_1) g, \qquad v \leftarrow b_2 v + (1 - b_2) g^2
-      \quad \text{(no clipping; no bias correction inside u)} \\
+    m &\leftarrow b_1 m + (1 - b_1) g \quad \text{(no clipping; no bias correction inside u)} \\
+    v &\leftarrow b_2 v + (1 - b_2) g^2 \\
     u &= m / (\sqrt{v} + \epsilon) + \lambda p \quad (\text{decayed leaves}) \\
     r &= \min(\|p\|, \text{clamp\_value}) / \|u\| \quad (1 \text{ if either is 0; adam: } r = 1) \\
     p &\leftarrow p - \eta \sqrt{bc_2} / bc_1\, r\, u \quad (\eta \text{ without debias})
@@ -53,7 +53,10 @@ def torch_optimizer_lamb(
     clamp_value: upper clamp of ||p|| in the ratio, >= 0 (``inf``: none), or a scalar array.
     adam: no trust ratio (r = 1 for every leaf).
     debias: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
-    weight_decay_mask: torch's parameter groups (see the module docstring).
+    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
+      (``None`` entries count as True) or a callable(params) returning one, like
+      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
+      ``weight_decay``, False where its group has weight decay 0. None: every leaf.
     stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
     axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
     implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
@@ -63,6 +66,20 @@ def torch_optimizer_lamb(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> params = {"w": jnp.ones((3, 3)), "b": jnp.full(3, 0.5)}
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> # no bias correction by default
+    >>> tx = optax_lamb.compat.torch_optimizer_lamb(lr=1e-3, weight_decay=0.01)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> print(round(float(new["w"][0, 0]), 5), round(float(new["b"][0]), 5))
+    0.999 0.4995
+    >>> print({k: round(float(r), 4) for k, r in optax_lamb.trust_ratios(state).items()})
+    {'b': 0.1579, 'w': 0.3152}
   """
   if not callable(lr) and _common.is_number(lr) and not lr > 0.0:
     raise ValueError(f"Invalid learning rate: {lr} (lr={lr!r}; torch_optimizer needs lr > 0)")

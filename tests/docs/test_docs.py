@@ -1,16 +1,23 @@
 """The documentation's promises: every public symbol has an API entry, every example runs.
 
-Docstring examples run as doctests. The Python blocks of the README and of
-each docs page run in order in one namespace per page (as a reader would paste
-them), after a small preamble defining the names the snippets assume (params,
-a loss, a batch, a mesh); a block that defines ``train_step`` is then called.
-The site itself is built (with warnings as errors) by ``.ci/run``.
+Every public symbol (``optax_lamb.__all__``, ``optax_lamb.compat.__all__``, the
+backend classes) has a docstring example with printed output, and the examples
+run as doctests. The Python blocks of the README and of each docs page run in
+order in one namespace per page (as a reader would paste them), after a small
+preamble defining the names the snippets assume (params, a loss, a batch, a
+mesh); a block that defines ``train_step`` is then called. A block that says
+what it prints (``# prints: ...`` comments: the README's Quickstart) also runs
+alone, without the preamble, and must print exactly that. The README's and the
+pages' rendered blocks equal a fresh ``python -m docs._render``. The site itself
+is built (with warnings as errors) by ``.ci/run``.
 """
 
+import contextlib
 import doctest
 import glob
 import importlib.util
 import inspect
+import io
 import os
 import re
 
@@ -60,19 +67,42 @@ def test_every_public_symbol_has_an_api_entry():
   assert not missing, f"no API entry in docs/api.md for {missing}"
 
 
+def public_symbols():
+  """(qualified name, object): every name in the public modules' ``__all__``, and the backend
+  classes that ``implementation=`` takes (docs/api.md's Backends section)."""
+  from optax_lamb.backends import pallas_triton, xla
+
+  symbols = [
+    (f"{module.__name__}.{name}", getattr(module, name))
+    for module in public_modules()
+    for name in module.__all__
+    if not inspect.ismodule(getattr(module, name))
+  ]
+  backends = [xla.XlaBackend, pallas_triton.PallasTritonBackend, pallas_triton.BlockSizes]
+  return symbols + [(f"{b.__module__}.{b.__qualname__}", b) for b in backends]
+
+
 def docstring_examples():
-  finder = doctest.DocTestFinder()
+  """The doctests of every public symbol (only its own docstring: not the members that a
+  NamedTuple or dataclass inherits) and of the public modules' docstrings."""
+  finder = doctest.DocTestFinder(recurse=False)
   seen, tests = set(), []
-  for module in public_modules():
-    for name in module.__all__:
-      obj = getattr(module, name)
-      if inspect.ismodule(obj):
-        continue
-      for test in finder.find(obj, f"{module.__name__}.{name}"):
-        if test.examples and id(obj) not in seen:
-          tests.append(test)
-      seen.add(id(obj))
+  objects = [*public_symbols(), *((m.__name__, m) for m in public_modules())]
+  for name, obj in objects:
+    for test in finder.find(obj, name):
+      if test.examples and id(obj) not in seen:
+        tests.append(test)
+    seen.add(id(obj))
   return tests
+
+
+@pytest.mark.parametrize(
+  "name,obj", public_symbols(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_every_public_symbol_has_an_example_that_prints(name, obj):
+  """As optax's: an ``Example:`` section whose output the doctests check."""
+  (test,) = doctest.DocTestFinder(recurse=False).find(obj, name)
+  assert any(example.want for example in test.examples), f"{name}: no example with printed output"
 
 
 @pytest.mark.parametrize("test", docstring_examples(), ids=lambda t: t.name)
@@ -102,6 +132,31 @@ def test_python_blocks_of_a_page_run_in_order(page):
       args = [namespace[name] for name in inspect.signature(step).parameters]
       out = step(*args)
       assert all(bool(jax.numpy.isfinite(x).all()) for x in jax.tree.leaves(out))
+
+
+def printing_blocks():
+  """(page, block number, block) for every Python block whose comments say what it prints."""
+  return [
+    (page, i + 1, block)
+    for page in PAGES
+    for i, block in enumerate(python_blocks(page))
+    if "# prints: " in block
+  ]
+
+
+@pytest.mark.parametrize(
+  "page,number,block", printing_blocks(), ids=lambda x: x if isinstance(x, str) else None
+)
+def test_a_block_that_says_what_it_prints_runs_alone_and_prints_it(page, number, block):
+  """Such a block (the README's Quickstart) runs as written: no preamble, its own names only,
+  and its output is the text after each ``# prints: `` comment, in order."""
+  expected = [
+    line.split("# prints: ", 1)[1].rstrip() for line in block.splitlines() if "# prints: " in line
+  ]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    exec(compile(block, f"{page} block {number}", "exec"), {"__name__": "__main__"})
+  assert out.getvalue().splitlines() == expected, f"{page} block {number}"
 
 
 def test_readme_and_recipe_numbers_are_rendered_from_the_committed_results():

@@ -53,6 +53,13 @@ class BlockSizes:
       which XLA fuses with the caller's ``optax.apply_updates`` (one pass that
       reads p, m, v and writes p); smaller leaves take the pass-2 kernel, which
       handles a whole bucket of leaves in one launch.
+
+  Example:
+    >>> import dataclasses
+    >>> from optax_lamb.backends.pallas_triton import BlockSizes
+    >>> sizes = dataclasses.replace(BlockSizes(), block=1024, num_warps=4)
+    >>> print(sizes.block, sizes.num_warps, sizes.max_leaves_per_call)
+    1024 4 32
   """
 
   block: int = 4096

@@ -42,6 +42,20 @@ class PallasTritonBackend:
     block_sizes: the launch sizes (`BlockSizes`).
     interpret: run the kernels in Pallas interpret mode; None: exactly when
       the default backend is not a GPU.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
+    >>> backend = PallasTritonBackend(block_sizes=BlockSizes(block=1024))
+    >>> tx = optax_lamb.lamb(1e-3, implementation=backend)
+    >>> params = {"w": jnp.ones((3, 3))}
+    >>> state = tx.init(params)
+    >>> with warnings.catch_warnings():  # without a GPU: interpret mode, with a warning
+    ...   warnings.simplefilter("ignore")
+    ...   updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> print([round(x, 4) for x in optax.apply_updates(params, updates)["w"][0].tolist()])
+    [0.999, 0.999, 0.999]
   """
 
   name = "pallas_triton"
