@@ -1,0 +1,88 @@
+"""How a moment leaf is stored: a float array of its dtype, or 8-bit block-wise quantized.
+
+``mu_dtype=jnp.int8`` / ``nu_dtype=jnp.uint8`` select the block-wise quantized storage of
+`optax_lamb._quantize` (never a plain cast): a leaf that `_quantize.quantizes` is stored as a
+`QuantizedMoment` (int8 codes of the signed map for m, uint8 codes of the unsigned map for v,
+float32 scales per block of 256 along the last axis); a smaller leaf (under 4,096 elements,
+0-d, or a last axis of 1) keeps float32. The layout depends on the param's shape only.
+
+A step loads a moment in the compute dtype (`load`: dequantized), updates it there and stores
+it (`store`: quantized from the unrounded values; where the step is skipped the old codes and
+scales are selected, bit-identical, never requantized).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lamb import _quantize
+from optax_lamb._quantize import QuantizedMoment
+
+# The dtype that selects quantized storage, per moment: signed codes for m, unsigned for v.
+QUANTIZED_DTYPES = {"mu_dtype": np.dtype(np.int8), "nu_dtype": np.dtype(np.uint8)}
+QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
+
+
+def is_quantized_dtype(dtype: Any) -> bool:
+  """Whether `dtype` (a moment dtype option) selects 8-bit quantized storage."""
+  return dtype is not None and np.dtype(dtype) in (np.dtype(np.int8), np.dtype(np.uint8))
+
+
+def is_quantized(stored: Any) -> bool:
+  """Whether a stored moment leaf is a `QuantizedMoment` (codes and scales)."""
+  return isinstance(stored, QuantizedMoment)
+
+
+def init(param: Any, dtype: Any) -> Any:
+  """The zero moment of `param` stored in `dtype` (None: the param's dtype).
+
+  For a quantized dtype: ``QuantizedMoment(codes 0, scales 0)`` where the leaf is large
+  enough (`_quantize.quantizes`), else float32 zeros. The codes keep the param's sharding.
+  """
+  if not is_quantized_dtype(dtype):
+    return jnp.zeros_like(param, dtype=dtype)
+  shape = tuple(jnp.shape(param))
+  if not _quantize.quantizes(shape):
+    return jnp.zeros_like(param, dtype=QUANTIZED_FALLBACK)
+  codes = jnp.zeros_like(param, dtype=dtype)
+  scales = jnp.zeros(_quantize.scales_shape(shape), jnp.float32)
+  return QuantizedMoment(codes, scales)
+
+
+def signed(stored: QuantizedMoment) -> bool:
+  """The map of a quantized moment, from its codes' dtype: signed (int8, m) or unsigned (v)."""
+  return jnp.dtype(stored.codes.dtype) == jnp.int8
+
+
+def load(stored: Any, dtype: Any) -> jax.Array:
+  """A stored moment in the compute `dtype`: dequantized, or cast."""
+  if is_quantized(stored):
+    return _quantize.dequantize(stored.codes, stored.scales, signed(stored)).astype(dtype)
+  return stored.astype(dtype)
+
+
+def storage_dtype(stored: Any) -> np.dtype:
+  """The dtype a moment leaf's values are stored in (a quantized leaf's codes')."""
+  return np.dtype(stored.codes.dtype if is_quantized(stored) else stored.dtype)
+
+
+def store(moment: jax.Array, old: Any, take: Any = None) -> Any:
+  """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
+  `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step)."""
+  if is_quantized(old):
+    new = _quantize.quantize(moment, signed(old))
+  else:
+    new = moment.astype(old.dtype)
+  if take is None:
+    return new
+  keep = jnp.asarray(take) != 0
+  return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+
+
+def shaped_like_params(stored: Any) -> Any:
+  """The array of a moment leaf that has the param's shape (a quantized leaf's codes)."""
+  return stored.codes if is_quantized(stored) else stored
