@@ -50,7 +50,23 @@ def init(param: Any, dtype: Any) -> Any:
     return jnp.zeros_like(param, dtype=QUANTIZED_FALLBACK)
   codes = jnp.zeros_like(param, dtype=dtype)
   scales = jnp.zeros(_quantize.scales_shape(shape), jnp.float32)
-  return QuantizedMoment(codes, scales)
+  sharding = _scales_sharding(param, scales.shape)
+  return QuantizedMoment(codes, scales if sharding is None else jax.device_put(scales, sharding))
+
+
+def _scales_sharding(param: Any, shape: tuple[int, ...]) -> Any:
+  """The params' `NamedSharding` for a concrete param's scales (the last axis split as the
+  param's where its blocks divide evenly, else whole), or None (a traced or unsharded param:
+  the step's jit then places them)."""
+  sharding = getattr(param, "sharding", None) if isinstance(param, jax.Array) else None
+  if not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(param, jax.core.Tracer):
+    return None
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  last = spec[-1]
+  names = () if last is None else (last,) if isinstance(last, str) else tuple(last)
+  if shape[-1] % int(np.prod([sharding.mesh.shape[n] for n in names])) != 0:
+    spec[-1] = None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def signed(stored: QuantizedMoment) -> bool:
