@@ -89,8 +89,8 @@ def storage_dtype(stored: Any) -> np.dtype:
 def store(moment: jax.Array, old: Any, take: Any = None) -> Any:
   """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
   `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step)."""
-  if is_quantized(old):
-    new = _quantize.quantize(moment, signed(old))
+  if is_quantized(old):  # integer codes: no derivative flows into the stored moment
+    new = _quantize.quantize(jax.lax.stop_gradient(moment), signed(old))
   else:
     new = moment.astype(old.dtype)
   if take is None:

@@ -220,3 +220,20 @@ def test_the_layout_depends_on_the_shape_only():
     assert mu.scales.shape == nu.scales.shape == shape[:-1] + (blocks,)
     assert mu.scales.dtype == jnp.float32
     assert not np.any(np.asarray(mu.codes)) and not np.any(np.asarray(mu.scales))
+
+
+def test_the_update_differentiates_with_respect_to_the_params():
+  """Through the update (the integer codes carry no derivative): reference and XLA agree."""
+  rng = np.random.default_rng(4)
+  params, grads = tree(rng), tree(rng)
+  out = {}
+  for implementation in ("reference", "xla"):
+    tx = optax_lamb.lamb(1e-2, implementation=implementation, **lamb_kwargs())
+    state = tx.update(grads, tx.init(params), params)[1]
+    loss = lambda p, tx=tx, state=state: sum(
+      jnp.sum(u**2) for u in jax.tree.leaves(tx.update(grads, state, p)[0])
+    )
+    out[implementation] = jax.jit(jax.grad(loss))(params)
+  for a, b in zip(*(jax.tree.leaves(x) for x in out.values()), strict=True):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.max(np.abs(a), initial=1.0))
