@@ -50,11 +50,11 @@ def init(param: Any, dtype: Any) -> Any:
     return jnp.zeros_like(param, dtype=QUANTIZED_FALLBACK)
   codes = jnp.zeros_like(param, dtype=dtype)
   scales = jnp.zeros(_quantize.scales_shape(shape), jnp.float32)
-  sharding = _scales_sharding(param, scales.shape)
+  sharding = scales_sharding(param, scales.shape)
   return QuantizedMoment(codes, scales if sharding is None else jax.device_put(scales, sharding))
 
 
-def _scales_sharding(param: Any, shape: tuple[int, ...]) -> Any:
+def scales_sharding(param: Any, shape: tuple[int, ...]) -> Any:
   """The params' `NamedSharding` for a concrete param's scales (the last axis split as the
   param's where its blocks divide evenly, else whole), or None (a traced or unsharded param:
   the step's jit then places them)."""
