@@ -22,8 +22,6 @@ import numpy as np
 from optax_lamb import _quantize
 from optax_lamb._quantize import QuantizedMoment
 
-# The dtype that selects quantized storage, per moment: signed codes for m, unsigned for v.
-QUANTIZED_DTYPES = {"mu_dtype": np.dtype(np.int8), "nu_dtype": np.dtype(np.uint8)}
 QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
 
 
@@ -81,14 +79,10 @@ def load(stored: Any, dtype: Any) -> jax.Array:
   return stored.astype(dtype)
 
 
-def storage_dtype(stored: Any) -> np.dtype:
-  """The dtype a moment leaf's values are stored in (a quantized leaf's codes')."""
-  return np.dtype(stored.codes.dtype if is_quantized(stored) else stored.dtype)
-
-
 def store(moment: jax.Array, old: Any, take: Any = None) -> Any:
   """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
   `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step)."""
+  new: Any
   if is_quantized(old):  # integer codes: no derivative flows into the stored moment
     new = _quantize.quantize(jax.lax.stop_gradient(moment), signed(old))
   else:
@@ -97,8 +91,3 @@ def store(moment: jax.Array, old: Any, take: Any = None) -> Any:
     return new
   keep = jnp.asarray(take) != 0
   return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
-
-
-def shaped_like_params(stored: Any) -> Any:
-  """The array of a moment leaf that has the param's shape (a quantized leaf's codes)."""
-  return stored.codes if is_quantized(stored) else stored

@@ -23,6 +23,7 @@ def _beside(state: Any, params: Any) -> Any:
   moments) takes their shardings leaf by leaf, any other leaf (a step count) is replicated over
   their mesh. `init` makes its scalars on the default device, which ``jax.jit`` would refuse
   beside params sharded over several devices. Abstract values pass through."""
+  param_def: Any
   param_leaves, param_def = jax.tree.flatten(params)
   shardings = [getattr(p, "sharding", None) for p in param_leaves]
   meshes = [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
