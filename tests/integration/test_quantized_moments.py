@@ -1,7 +1,8 @@
 """8-bit quantized moments across devices and checkpoints (the 8 CPU devices of conftest).
 
 * Under ``jax.jit`` over sharded params (blocks whole in every shard: leading axes split,
-  or a last axis split into multiples of 256), the codes and scales equal the
+  or a last axis split into multiples of 256; or straddling shards, where XLA's partitioner
+  moves what a block needs), the codes and scales equal the
   single-device step's bit for bit (the moments do not depend on the reductions), the
   updates and trust ratios to rtol 1e-5 (the norms are summed per shard); ``init`` gives
   the codes the params' shardings and the scales the same split where their blocks divide.
@@ -29,6 +30,10 @@ STACKED = {"w": 0, "wide": 0, "stack": 1, "emb": 0, "b": 0}
 SPECS = {  # blocks whole in every shard: "wide" splits its last axis into 512 columns a device
   "w": P("data", None), "wide": P(None, "data"), "stack": P("data"), "emb": P("data"), "b": P(),
 }  # fmt: skip
+STRADDLING = {  # blocks across shards: 64 and 32 columns a device (XLA moves what a block needs)
+  "w": P(None, "data"), "wide": P(None, "data"), "stack": P(None, None, "data"), "emb": P("data"),
+  "b": P(),
+}  # fmt: skip
 OTHER_SPECS = {"w": P(None, "data"), "wide": P(), "stack": P(), "emb": P(), "b": P()}
 
 
@@ -52,20 +57,22 @@ def lamb(implementation="xla", **kwargs):
   )  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["whole-blocks", "straddling"])
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
-def test_sharded_update_stores_the_single_device_codes(implementation, rng):
+def test_sharded_update_stores_the_single_device_codes(implementation, layout, rng):
   m, tx = mesh(), lamb(implementation)
+  specs = SPECS if layout == "whole-blocks" else STRADDLING
   params = arrays(rng)
   seq = [arrays(rng, 10.0**e) for e in (-2, 0, 1)]
   step = jax.jit(tx.update)
-  state, local_state = tx.init(put(params, SPECS, m)), tx.init(params)
+  state, local_state = tx.init(put(params, specs, m)), tx.init(params)
   for k, shape in SHAPES.items():
     mu = state[1].mu[k]
     if isinstance(mu, QuantizedMoment):
-      assert mu.codes.sharding.is_equivalent_to(NamedSharding(m, SPECS[k]), len(shape)), k
+      assert mu.codes.sharding.is_equivalent_to(NamedSharding(m, specs[k]), len(shape)), k
       assert len(mu.scales.sharding.device_set) == 8, k
   for g in seq:
-    updates, state = step(put(g, SPECS, m), state, put(params, SPECS, m))
+    updates, state = step(put(g, specs, m), state, put(params, specs, m))
     local, local_state = step(g, local_state, params)
     jax.tree.map(np.testing.assert_array_equal, state[1], local_state[1])  # codes, scales, count
     jax.tree.map(
@@ -73,10 +80,10 @@ def test_sharded_update_stores_the_single_device_codes(implementation, rng):
     )
     np.testing.assert_allclose(state[3].ratios, local_state[3].ratios, rtol=1e-5)
     for k in SHAPES:
-      assert updates[k].sharding.is_equivalent_to(NamedSharding(m, SPECS[k]), updates[k].ndim), k
+      assert updates[k].sharding.is_equivalent_to(NamedSharding(m, specs[k]), updates[k].ndim), k
       mu = state[1].mu[k]
       codes = mu.codes if isinstance(mu, QuantizedMoment) else mu
-      assert codes.sharding.is_equivalent_to(NamedSharding(m, SPECS[k]), codes.ndim), k
+      assert codes.sharding.is_equivalent_to(NamedSharding(m, specs[k]), codes.ndim), k
     params = jax.tree.map(lambda p, u: p + u, params, local)
 
 
