@@ -48,6 +48,7 @@ def offloaded(compute: str) -> Callable[[], optax.GradientTransformation]:
 
 
 BF16_MOMENTS = {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16}
+INT8_MOMENTS = {"mu_dtype": jnp.int8, "nu_dtype": jnp.uint8}  # 8-bit block-wise quantized
 
 # name -> (state family, builder of the transformation, step from transformation). Implementations
 # of one family share one state, so the state they advance stays realistic without one copy each;
@@ -73,5 +74,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, Callable, Callable]] = {
   # lives in another memory.
   "offload.device": ("ours-offload-device", offloaded("device"), update_then_apply),
   "offload.host": ("ours-offload-host", offloaded("host"), update_then_apply),
+  # 8-bit moments (docs/quantized_moments.md): about 38 bytes per parameter on the XLA path.
+  "optax_lamb.lamb-8bit": ("ours-8bit", optax_lamb_builder(**INT8_MOMENTS), update_then_apply),
 }
 DEFAULT_IMPLEMENTATIONS = ("optax.lamb", "optax_lamb.lamb", "update_and_apply")

@@ -66,6 +66,9 @@ CONFIGURATIONS: dict[str, Configuration] = {
   "lamb, bfloat16 moments": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
   ),
+  "lamb, 8-bit moments": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+  ),
   "lamb, bfloat16 params, master weights": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, master_weights=True), param_dtype=jnp.bfloat16
   ),

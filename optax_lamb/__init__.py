@@ -13,6 +13,7 @@ from optax_lamb._mixed_precision import MasterWeightsState, master_weights, with
 from optax_lamb._offload import offload
 from optax_lamb._options import RatioLayout
 from optax_lamb._plan import ScaleByTrustRatioState
+from optax_lamb._quantize import QuantizedMoment
 from optax_lamb._skip import SkipCounts, SkipNonFiniteState, skip_counts, skip_nonfinite
 from optax_lamb._trust_ratio import scale_by_trust_ratio, trust_ratios
 from optax_lamb._update_and_apply import update_and_apply
@@ -24,6 +25,7 @@ __version__ = "0.2.0"
 
 __all__ = (
   "MasterWeightsState",
+  "QuantizedMoment",
   "RatioLayout",
   "ScaleByTrustRatioState",
   "SkipCounts",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _ratios
+from optax_lamb import _check_args, _checks, _leaf, _moment_storage, _ratios
 from optax_lamb._options import LambOptions, StepScalars
 
 
@@ -31,7 +31,9 @@ def scale_by_adam(
   With ``bias_correction=False`` the two corrections are 1, as in Google's
   original LAMB code. With ``grad_averaging=False`` the gradient enters the first
   moment unscaled, m_t = b_1 m_{t-1} + g_t (apex's and timm's switch). Moments are computed in float32 (at least) and stored in
-  ``mu_dtype`` / ``nu_dtype`` (default: the param dtype). The state is
+  ``mu_dtype`` / ``nu_dtype`` (default: the param dtype); ``mu_dtype=jnp.int8`` and
+  ``nu_dtype=jnp.uint8`` store them 8-bit block-wise quantized (as in :func:`optax_lamb.lamb`,
+  docs/quantized_moments.md). The state is
   :class:`optax.ScaleByAdamState`, so ``optax.scale_by_adam`` checkpoints load
   into it and back.
 
@@ -42,8 +44,8 @@ def scale_by_adam(
     eps_root: added to the second moment inside the square root.
     bias_correction: divide the moments by 1 - b^t.
     grad_averaging: scale the gradient by 1 - b1 in the first moment.
-    mu_dtype: storage dtype of the first moment.
-    nu_dtype: storage dtype of the second moment.
+    mu_dtype: storage dtype of the first moment; ``jnp.int8``: 8-bit block-wise quantized.
+    nu_dtype: storage dtype of the second moment; ``jnp.uint8``: 8-bit block-wise quantized.
 
   Returns:
     An :class:`optax.GradientTransformation`.
@@ -65,8 +67,8 @@ def scale_by_adam(
   _check_args.check_some_eps("eps", eps, "eps_root", eps_root)
   _check_args.check_bool("bias_correction", bias_correction)
   _check_args.check_bool("grad_averaging", grad_averaging)
-  mu_dtype = _check_args.check_float_dtype("mu_dtype", mu_dtype)
-  nu_dtype = _check_args.check_float_dtype("nu_dtype", nu_dtype)
+  mu_dtype = _check_args.check_moment_dtype("mu_dtype", mu_dtype)
+  nu_dtype = _check_args.check_moment_dtype("nu_dtype", nu_dtype)
   return adam_stage(
     b1, b2, eps, eps_root, bias_correction=bias_correction, grad_averaging=grad_averaging,
     mu_dtype=mu_dtype, nu_dtype=nu_dtype,
@@ -94,12 +96,13 @@ def adam_stage(
   def init_fn(params) -> Any:
     return optax.ScaleByAdamState(
       count=jnp.zeros([], jnp.int32),
-      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-      nu=optax.tree.zeros_like(params, dtype=nu_dtype),
+      mu=jax.tree.map(lambda p: _moment_storage.init(p, mu_dtype), params),
+      nu=jax.tree.map(lambda p: _moment_storage.init(p, nu_dtype), params),
     )
 
   def update_fn(updates, state, params=None) -> tuple[Any, Any]:
-    _checks.check_same_structure(updates, "updates", state.mu, "the optimizer state (mu)")
+    mu_leaves = _checks.moment_leaves(state.mu)  # a quantized leaf as one (codes, scales)
+    _checks.check_same_structure(updates, "updates", mu_leaves, "the optimizer state (mu)")
     count = optax.safe_increment(state.count)
     bc1, bc2 = _leaf.bias_corrections(count, b1, b2, bias_correction)
     s = StepScalars(b1=b1, b2=b2, eps=eps, eps_root=eps_root, bc1=bc1, bc2=bc2)
@@ -114,9 +117,9 @@ def adam_stage(
       names = _checks.resolve_axis_names(axis_name, params)
       kept = [_ratios.caution_fraction(*x) for x in zip(us, gs, axes, names, strict=True)]
       us = list(map(_leaf.cautious, us, gs, kept))
-    stored = lambda new, old: new.astype(old.dtype)
-    mu = treedef.unflatten([stored(m, old) for (m, _), old in zip(moments, ms, strict=True)])
-    nu = treedef.unflatten([stored(v, old) for (_, v), old in zip(moments, vs, strict=True)])
+    store = _moment_storage.store
+    mu = treedef.unflatten([store(m, old) for (m, _), old in zip(moments, ms, strict=True)])
+    nu = treedef.unflatten([store(v, old) for (_, v), old in zip(moments, vs, strict=True)])
     return treedef.unflatten(us), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)

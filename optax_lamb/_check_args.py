@@ -122,6 +122,30 @@ def check_float_dtype(name: str, value: Any, *, optional: bool = True) -> np.dty
   return dtype
 
 
+_QUANTIZED = {"mu_dtype": ("int8", "the first moment, signed"),
+              "nu_dtype": ("uint8", "the second moment, unsigned")}  # fmt: skip
+
+
+def check_moment_dtype(name: str, value: Any) -> np.dtype | None:
+  """A moment's storage dtype (`name` is "mu_dtype" or "nu_dtype"): None, a floating-point
+  dtype, or the 8-bit dtype that selects block-wise quantized storage for that moment
+  (int8 for mu, uint8 for nu; `optax_lamb._moment_storage`); the other 8-bit one raises."""
+  try:
+    dtype = None if value is None else jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype not in (np.dtype(np.int8), np.dtype(np.uint8)):
+    return check_float_dtype(name, value)
+  want, what = _QUANTIZED[name]
+  if dtype != np.dtype(want):
+    other = next(n for n, (d, _) in _QUANTIZED.items() if d == dtype.name)
+    raise ValueError(
+      f"{name}={dtype.name}: 8-bit moments are block-wise quantized, and {dtype.name} selects the "
+      f"map of {_QUANTIZED[other][1]} ({other}); {name} ({what}) takes jnp.{want}"
+    )
+  return dtype
+
+
 def check_transformation(name: str, value: Any) -> None:
   if not all(callable(getattr(value, f, None)) for f in ("init", "update")):
     raise TypeError(f"{name} must be an optax.GradientTransformation, got {name}={value!r}")
@@ -156,8 +180,8 @@ def check_config(config: LambConfig) -> LambConfig:
   check_bool("grad_averaging", o.grad_averaging)
   options = dataclasses.replace(
     o,
-    mu_dtype=check_float_dtype("mu_dtype", o.mu_dtype),
-    nu_dtype=check_float_dtype("nu_dtype", o.nu_dtype),
+    mu_dtype=check_moment_dtype("mu_dtype", o.mu_dtype),
+    nu_dtype=check_moment_dtype("nu_dtype", o.nu_dtype),
   )
   check_non_negative("weight_decay", h.weight_decay, schedule=True)
   if o.adapt_if_decaying and callable(h.weight_decay):  # the gate is read as a number (_ratios)

@@ -20,6 +20,7 @@ import optax
 
 from optax_lamb import _explain
 from optax_lamb._options import is_axis_name
+from optax_lamb._quantize import QuantizedMoment
 
 _BOOLS = (bool, np.bool_)
 
@@ -81,6 +82,13 @@ def check_same_structure(tree: Any, tree_name: str, reference: Any, reference_na
   tree_def: Any = jax.tree.structure(tree)
   if tree_def != jax.tree.structure(reference):
     raise ValueError(_explain.structure_mismatch(tree, tree_name, reference, reference_name))
+
+
+def moment_leaves(moments: Any) -> Any:
+  """A moment tree with each quantized leaf (`QuantizedMoment`) as one leaf, its codes (the
+  param's shape): the params' structure."""
+  is_quantized = lambda x: isinstance(x, QuantizedMoment)
+  return jax.tree.map(lambda x: x.codes if is_quantized(x) else x, moments, is_leaf=is_quantized)
 
 
 def check_update_args(updates: Any, params: Any, who: str) -> None:

@@ -74,8 +74,13 @@ def lamb(
     stacked_axes: int, pytree of ints or callable(params): leading axes of a leaf
       that index stacked layers (``nn.scan``/``nnx.scan``); each slice gets its
       own trust ratio.
-    mu_dtype: storage dtype of the first moment (default: param dtype).
-    nu_dtype: storage dtype of the second moment (default: param dtype).
+    mu_dtype: storage dtype of the first moment (default: param dtype);
+      ``jnp.int8``: 8-bit block-wise quantized (a signed dynamic map), never a cast.
+    nu_dtype: storage dtype of the second moment (default: param dtype);
+      ``jnp.uint8``: 8-bit block-wise quantized (an unsigned dynamic map). A quantized
+      leaf is a ``QuantizedMoment(codes, scales)``: codes of the param's shape, one
+      float32 scale per block of 256 along the last axis (2.03 bytes a parameter for
+      both moments); leaves under 4,096 elements stay float32 (docs/quantized_moments.md).
     axis_name: mapped axis name(s) over which leaves are sharded inside
       ``shard_map``/``pmap``; the squared norms (global clipping norm, trust-ratio
       norms) are ``psum``'d over them. A name or tuple of names for every leaf,
@@ -122,6 +127,13 @@ def lamb(
     >>> ratios = optax_lamb.trust_ratios(state)  # ||p|| / ||u||; 1 where ||p|| = 0
     >>> print({name: round(float(r), 4) for name, r in ratios.items()})
     {'b': 1.0, 'w': 0.9901}
+
+    8-bit moments (the 3x3 and 3-element leaves above would stay float32):
+
+    >>> tx = optax_lamb.lamb(1e-3, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+    >>> mu = tx.init({"w": jnp.ones((64, 512))})[1].mu["w"]
+    >>> mu.codes.dtype, mu.codes.shape, mu.scales.dtype, mu.scales.shape
+    (dtype('int8'), (64, 512), dtype('float32'), (64, 2))
 
   References:
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _interop
+from optax_lamb import _interop, _moment_storage
 from optax_lamb._options import LambOptions, Scalar, StepScalars
 
 CAUTION_MIN_FRACTION = 1e-3  # timm: the kept part is rescaled by at most 1 / 1e-3
@@ -98,12 +98,21 @@ def update_moments(g, m, v, b1: Scalar, b2: Scalar, grad_averaging: bool = True)
   """m_t = b1 m + (1 - b1) g,  v_t = b2 v + (1 - b2) g^2 (paper lines 6-7), in the compute dtype.
 
   Without `grad_averaging` m_t = b1 m + g (apex's and timm's switch); v is unchanged.
+  A moment stored 8-bit quantized (`optax_lamb._moment_storage`) is dequantized first.
   """
   dtype = compute_dtype(g.dtype)
   g = g.astype(dtype)
-  m = ((1 - b1) * g if grad_averaging else g) + b1 * m.astype(dtype)
-  v = (1 - b2) * jnp.square(g) + b2 * v.astype(dtype)
+  m, v = (loaded(x, dtype) for x in (m, v))
+  m = ((1 - b1) * g if grad_averaging else g) + b1 * m
+  v = (1 - b2) * jnp.square(g) + b2 * v
   return m, v
+
+
+def loaded(stored: Any, dtype: Any) -> jax.Array:
+  """A stored moment in `dtype`: cast, or dequantized where it is stored quantized."""
+  if isinstance(stored, _moment_storage.QuantizedMoment):
+    return _moment_storage.load(stored, dtype)
+  return stored.astype(dtype)
 
 
 def _decays_in(o: LambOptions, decay: bool, placement: str) -> bool:
@@ -237,8 +246,11 @@ def kept(new: jax.Array, old: Any, s: StepScalars) -> jax.Array:
   return jnp.where(jnp.asarray(s.take) != 0, new, old)
 
 
-def stored(moment: jax.Array, old: jax.Array, s: StepScalars) -> jax.Array:
-  """A moment computed in the compute dtype, as stored in `old`'s dtype (kept where skipped)."""
+def stored(moment: jax.Array, old: Any, s: StepScalars) -> Any:
+  """A moment computed in the compute dtype, as stored in `old`'s dtype (kept where skipped);
+  quantized where `old` is (its codes and scales kept, bit-identical, where skipped)."""
+  if isinstance(old, _moment_storage.QuantizedMoment):
+    return _moment_storage.store(moment, old, s.take)
   return kept(moment.astype(old.dtype), old, s)
 
 

@@ -7,7 +7,8 @@ from typing import Any, Literal
 import jax
 import optax
 
-from optax_lamb import _check_args, _interop
+from optax_lamb import _check_args, _checks, _interop, _moment_storage
+from optax_lamb._quantize import QuantizedMoment
 
 Compute = Literal["device", "host"]
 
@@ -22,6 +23,7 @@ def _beside(state: Any, params: Any) -> Any:
   moments) takes their shardings leaf by leaf, any other leaf (a step count) is replicated over
   their mesh. `init` makes its scalars on the default device, which ``jax.jit`` would refuse
   beside params sharded over several devices. Abstract values pass through."""
+  param_def: Any
   param_leaves, param_def = jax.tree.flatten(params)
   shardings = [getattr(p, "sharding", None) for p in param_leaves]
   meshes = [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
@@ -29,17 +31,27 @@ def _beside(state: Any, params: Any) -> Any:
     return state
   replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
 
+  def like_params(x: Any) -> bool:  # the moments: a quantized leaf counts as one
+    return param_def.num_leaves > 1 and jax.tree.structure(_checks.moment_leaves(x)) == param_def
+
+  def put(x: Any, s: Any, p: Any) -> Any:
+    if s is None:
+      return x
+    if isinstance(x, QuantizedMoment):  # the codes like the param, the scales split alike
+      scales = _moment_storage.scales_sharding(p, x.scales.shape)
+      return QuantizedMoment(jax.device_put(x.codes, s),
+                             x.scales if scales is None else jax.device_put(x.scales, scales))  # fmt: skip
+    return jax.device_put(x, s) if x.shape == p.shape else x
+
   def place(subtree: Any) -> Any:
-    if jax.tree.structure(subtree) == param_def and param_def.num_leaves > 1:
-      leaves = jax.tree.leaves(subtree)
-      return jax.tree.unflatten(param_def, [
-        jax.device_put(x, s) if s is not None and x.shape == p.shape else x
-        for x, s, p in zip(leaves, shardings, param_leaves, strict=True)])  # fmt: skip
+    if like_params(subtree):
+      leaves = param_def.flatten_up_to(subtree)
+      return jax.tree.unflatten(param_def, list(map(put, leaves, shardings, param_leaves)))
     if isinstance(subtree, jax.Array) and subtree.sharding.device_set != replicated.device_set:
       return jax.device_put(subtree, replicated)
     return subtree
 
-  return jax.tree.map(place, state, is_leaf=lambda x: jax.tree.structure(x) == param_def)
+  return jax.tree.map(place, state, is_leaf=like_params)
 
 
 def offload(

@@ -21,6 +21,7 @@ import optax
 
 from optax_lamb import _checks, _leaf, _options, _ratios, _skip
 from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalars
+from optax_lamb._quantize import QuantizedMoment
 
 
 class ScaleByTrustRatioState(NamedTuple):
@@ -179,8 +180,11 @@ class StepPlan(NamedTuple):
 
 
 def _narrow(stored: Any, grad: Any) -> bool:
-  """Whether a moment stored in `stored` loses precision against the one computed from `grad`."""
-  return jnp.dtype(stored) != _leaf.compute_dtype(grad)
+  """Whether a `stored` moment leaf loses precision against the one computed from `grad`'s
+  dtype (always where it is quantized)."""
+  if isinstance(stored, QuantizedMoment):
+    return True
+  return jnp.dtype(stored.dtype) != _leaf.compute_dtype(grad)
 
 
 def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: list) -> tuple:
@@ -236,8 +240,8 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
       stacked_axes=axes[i],
       axis_name=names[i],
       ratio_offset=layout.offsets[i],
-      narrow_moments=_narrow(ms[i].dtype, gs[i].dtype)
-      or _narrow(vs[i].dtype, gs[i].dtype)
+      narrow_moments=_narrow(ms[i], gs[i].dtype)
+      or _narrow(vs[i], gs[i].dtype)
       or config.options.finite_guard,  # the stored moments are not those u is computed from
     )
     for i, p in enumerate(ps)
@@ -252,8 +256,12 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
 
 
 def _overflow_limits(config: LambConfig, nus: list) -> list[float]:
-  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype."""
-  return [_skip.overflow_threshold(config.options.nu_dtype or v.dtype) for v in nus]
+  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
+  (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
+  dtype = config.options.nu_dtype
+  if dtype is not None and jnp.dtype(dtype) == jnp.uint8:
+    dtype = jnp.float32
+  return [_skip.overflow_threshold(dtype or v.dtype) for v in nus]
 
 
 def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:

@@ -61,7 +61,8 @@ _DECADES = 7
 
 
 class QuantizedMoment(NamedTuple):
-  """A moment leaf as 8-bit codes (int8 signed, uint8 unsigned) and float32 block scales."""
+  """A moment leaf as 8-bit codes (int8 signed, uint8 unsigned) and float32 block scales, as
+  ``lamb(mu_dtype=jnp.int8, nu_dtype=jnp.uint8)`` stores a leaf of 4,096 elements or more."""
 
   codes: jax.Array
   scales: jax.Array
@@ -190,13 +191,20 @@ def decode(codes: jax.Array, scale: jax.Array, *, signed: bool) -> jax.Array:
 
 def block_scale(x: jax.Array, axis: int = -1) -> jax.Array:
   """The float32 absmax of ``x`` along ``axis``; NaN if any element there is NaN or infinite.
-
-  NaN is mapped to infinity before the max, so the reduction needs no NaN
-  propagation (Triton's max need not propagate it).
-  """
+  NaN is mapped to infinity before the max (Triton's max need not propagate it)."""
   a = jnp.abs(x.astype(jnp.float32))
   s = jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=axis)
   return jnp.where(jnp.isinf(s), jnp.nan, s)
+
+
+def _block_scale_one_reduction(x: jax.Array) -> jax.Array:
+  """`block_scale` along the last axis in one variadic reduction (max |x|, any non-finite): XLA:CPU
+  hands a lone max to a library that reads its input from memory (a param-sized temporary)."""
+  a = jnp.abs(x.astype(jnp.float32))
+  init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.bool_))
+  combine = lambda u, w: (jnp.maximum(u[0], w[0]), jnp.logical_or(u[1], w[1]))
+  s, bad = lax.reduce((a, jnp.logical_not(jnp.isfinite(a))), init, combine, (x.ndim - 1,))
+  return jnp.where(bad, jnp.nan, s)
 
 
 def scales_shape(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
@@ -222,13 +230,25 @@ def quantizes(
   return quantized_bytes < 4 * size
 
 
-def _blocked(x: jax.Array, block_size: int) -> jax.Array:
-  """x with the last axis zero-padded to whole blocks and split: shape[:-1] + (blocks, block_size)."""
+def _block_scales(x: jax.Array, block_size: int) -> jax.Array:
+  """The scales of float32 ``x``: its whole blocks reduced in place (a slice and a reshape, fused
+  into the reduction), the partial last one apart; no padded copy of ``x``."""
   n = x.shape[-1]
-  blocks = -(-n // block_size)
-  if blocks * block_size != n:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block_size - n)])
-  return x.reshape(*x.shape[:-1], blocks, block_size)
+  whole = n // block_size
+  parts = [jnp.zeros((*x.shape[:-1], 0), jnp.float32)]  # n = 0: no blocks
+  if whole:
+    blocks = x[..., : whole * block_size].reshape(*x.shape[:-1], whole, block_size)
+    parts.append(_block_scale_one_reduction(blocks))
+  if n % block_size:
+    parts.append(_block_scale_one_reduction(x[..., whole * block_size :])[..., None])
+  return jnp.concatenate(parts, axis=-1) if len(parts) > 2 else parts[-1]
+
+
+def _per_element(scales: jax.Array, n: int, block_size: int) -> jax.Array:
+  """Each element's block scale: the scales repeated along the last axis, cut to ``n`` (index
+  arithmetic in the consumer's fusion)."""
+  repeated = jnp.broadcast_to(scales[..., None], (*scales.shape, block_size))
+  return repeated.reshape(*scales.shape[:-1], -1)[..., :n]
 
 
 def _check(shape: tuple[int, ...], block_size: int) -> None:
@@ -251,10 +271,9 @@ def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE) -> Qua
     ``QuantizedMoment(codes, scales)``.
   """
   _check(x.shape, block_size)
-  xb = _blocked(x.astype(jnp.float32), block_size)
-  scales = block_scale(xb)
-  codes = encode(xb, scales[..., None], signed=signed)
-  codes = codes.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
+  x = x.astype(jnp.float32)
+  scales = _block_scales(x, block_size)
+  codes = encode(x, _per_element(scales, x.shape[-1], block_size), signed=signed)
   return QuantizedMoment(codes, scales)
 
 
@@ -270,8 +289,7 @@ def dequantize(
       f"{block_size=}: expected codes {jnp.dtype(expected)} and scales "
       f"{scales_shape(codes.shape, block_size)}"
     )
-  values = decode(_blocked(codes, block_size), scales[..., None], signed=signed)
-  return values.reshape(*codes.shape[:-1], -1)[..., : codes.shape[-1]]
+  return decode(codes, _per_element(scales, codes.shape[-1], block_size), signed=signed)
 
 
 def zeros(shape: tuple[int, ...], signed: bool, *, block_size: int = BLOCK_SIZE) -> QuantizedMoment:

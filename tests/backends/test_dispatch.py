@@ -141,6 +141,19 @@ def test_narrow_moments_are_taken_by_the_kernels(on_a_gpu, one_device, caplog):
   assert line == "optax_lamb.lamb: the pallas_triton path (first choice)"
 
 
+QUANTIZED = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}  # 16,384 elements: 8-bit
+
+
+def test_8bit_moments_fall_back_to_xla(on_a_gpu, one_device, caplog):
+  """The kernels do not dequantize and requantize yet: auto takes XLA and says why; an explicit
+  request warns and runs on XLA (the registry's convention for every fallback)."""
+  kwargs = dict(params=QUANTIZED, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+  line = traced_path(caplog, **kwargs)
+  assert line.startswith("optax_lamb.lamb: the xla path (pallas_triton: 8-bit quantized moments")
+  with pytest.warns(UserWarning, match=r"8-bit quantized moments .* it runs on the xla path\."):
+    traced_path(caplog, "pallas_triton", **kwargs)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
 def test_xla_and_reference_are_taken_as_asked(on_a_gpu, one_device, caplog, implementation):
   with warnings.catch_warnings():

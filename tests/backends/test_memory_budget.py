@@ -5,7 +5,8 @@ odd sizes, a stacked leaf, tiny and larger leaves, compiles (nothing runs) to a 
 temporaries are at most 1% of the params' bytes plus 64 KiB (`BUDGET`), read from
 ``memory_analysis()`` of XLA:CPU, the figure benchmarks/memory.py reports per parameter.
 Two exceptions XLA:CPU leaves (docs/memory.md), each held to what it costs today so that a
-regression beyond it still fails: moments stored narrower than float32 (XLA copies them), and
+regression beyond it still fails: moments stored narrower than float32, 8-bit ones included
+(XLA copies them), and
 timm's caution (XLA keeps the Adam direction and its sign mask in memory).
 """
 
@@ -75,9 +76,11 @@ LOW_PRECISION = {
     jnp.float16,
   ),
 }
-NARROW_MOMENTS = {
-  "bfloat16 moments": jnp.bfloat16,
-  "float16 moments, skip": jnp.float16,
+NARROW_MOMENTS = {  # (mu_dtype, nu_dtype); int8 / uint8: 8-bit block-wise quantized moments
+  "bfloat16 moments": (jnp.bfloat16, jnp.bfloat16),
+  "float16 moments, skip": (jnp.float16, jnp.float16),
+  "8-bit moments": (jnp.int8, jnp.uint8),
+  "8-bit moments, skip, stacked": (jnp.int8, jnp.uint8),
 }
 
 
@@ -129,11 +132,15 @@ def test_master_weights_stay_within_the_budget(name):
 @pytest.mark.parametrize("name", list(NARROW_MOMENTS))
 def test_narrow_moments_cost_at_most_their_copy(name):
   """XLA:CPU writes the moments and the params in separate fusions that read the old moments,
-  so it copies them: at most the moments' bytes beyond the budget (docs/memory.md)."""
-  dtype = NARROW_MOMENTS[name]
-  tx = optax_lamb.lamb(LR, mu_dtype=dtype, nu_dtype=dtype, skip_nonfinite="skip" in name)
+  so it copies them: at most the moments' bytes beyond the budget (docs/memory.md). 8-bit
+  moments: their codes (1 byte a parameter each; the scales, 4/256 of a byte, fall within the
+  budget); the moments dequantized and requantized are never written out in float32."""
+  mu_dtype, nu_dtype = NARROW_MOMENTS[name]
+  stacked = STACKED if "stacked" in name else None
+  tx = optax_lamb.lamb(LR, mu_dtype=mu_dtype, nu_dtype=nu_dtype, skip_nonfinite="skip" in name,
+                       stacked_axes=stacked)  # fmt: skip
   temps, param_bytes = _temporaries(tx)
-  moment_bytes = 2 * param_bytes * jnp.dtype(dtype).itemsize // 4
+  moment_bytes = 2 * param_bytes * jnp.dtype(mu_dtype).itemsize // 4
   assert temps <= moment_bytes + _budget(param_bytes), (name, temps / param_bytes)
 
 

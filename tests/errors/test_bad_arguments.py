@@ -104,7 +104,7 @@ CASES = [
   case(lamb, TypeError, mu_dtype=jnp.int32),
   case(lamb, TypeError, mu_dtype="no"),
   case(lamb, TypeError, mu_dtype=bool),
-  case(lamb, TypeError, nu_dtype="int8"),
+  case(lamb, TypeError, nu_dtype="int16"),
   case(lamb, TypeError, nu_dtype=jnp.complex64),
   case(lamb, TypeError, axis_name=1),
   case(lamb, TypeError, "axis_name[1]=2", axis_name=("data", 2)),
@@ -129,7 +129,7 @@ CASES = [
   case(optax_lamb.scale_by_adam, ValueError, "eps=0.0, eps_root=0", eps=0.0, eps_root=0),
   case(optax_lamb.scale_by_adam, TypeError, bias_correction="no"),
   case(optax_lamb.scale_by_adam, TypeError, mu_dtype=jnp.int32),
-  case(optax_lamb.scale_by_adam, TypeError, nu_dtype="uint8"),
+  case(optax_lamb.scale_by_adam, TypeError, nu_dtype="uint16"),
   case(optax_lamb.add_decayed_weights, ValueError, weight_decay=NAN),
   case(optax_lamb.add_decayed_weights, ValueError, weight_decay=-1.0),
   case(optax_lamb.add_decayed_weights, TypeError, weight_decay="0.1"),
@@ -193,6 +193,37 @@ def test_bad_argument_fails_when_built_naming_it(factory, kwargs, error, shown):
   name = re.match(r"\w+", shown).group()
   with pytest.raises(error, match=rf"^{name} must be .*got {re.escape(shown)}$"):
     factory(**kwargs)
+
+
+@pytest.mark.parametrize(
+  "factory", [optax_lamb.lamb, optax_lamb.scale_by_adam], ids=["lamb", "adam"]
+)
+@pytest.mark.parametrize(
+  "kwargs, shown",
+  [
+    ({"mu_dtype": jnp.uint8}, "mu_dtype=uint8"),
+    ({"mu_dtype": "uint8"}, "mu_dtype=uint8"),
+    ({"nu_dtype": jnp.int8}, "nu_dtype=int8"),
+    ({"nu_dtype": np.int8}, "nu_dtype=int8"),
+  ],
+)
+def test_the_wrong_8bit_dtype_for_a_moment_fails_naming_it(factory, kwargs, shown):
+  # int8 selects the signed quantized map of m, uint8 the unsigned one of v: never a cast.
+  kwargs = {**kwargs, "learning_rate": 1e-3} if factory is optax_lamb.lamb else kwargs
+  with pytest.raises(ValueError, match=rf"^{re.escape(shown)}: 8-bit moments are block-wise"):
+    factory(**kwargs)
+
+
+def test_the_8bit_dtypes_select_quantized_moments():
+  params = {"w": jnp.ones((16, 256)), "b": jnp.ones(3)}
+  for tx in (
+    optax_lamb.lamb(1e-3, mu_dtype=jnp.int8, nu_dtype=jnp.uint8),
+    optax_lamb.scale_by_adam(mu_dtype="int8", nu_dtype="uint8"),
+  ):
+    adam = next(s for s in jax.tree.leaves(tx.init(params), is_leaf=lambda x: hasattr(x, "mu"))
+                if hasattr(s, "mu"))  # fmt: skip
+    assert adam.mu["w"].codes.dtype == jnp.int8 and adam.nu["w"].codes.dtype == jnp.uint8
+    assert adam.mu["b"].dtype == adam.nu["b"].dtype == jnp.float32  # small: float32
 
 
 def params_and_grads():

@@ -107,6 +107,30 @@ def test_sharded_params_keep_their_shardings_in_host_memory(compute):
   np.testing.assert_allclose(new_params["w"], want["w"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("compute", ["device", "host"])
+def test_8bit_moments_keep_the_params_shardings_in_host_memory(compute):
+  mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+  params = {"w": jnp.arange(64.0 * 1024).reshape(64, 1024) / 65536, "b": jnp.ones(8)}
+  specs = {"w": P(None, "d"), "b": P()}  # 256 columns a device: whole blocks
+  params = jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+  grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
+  make = lambda: optax_lamb.lamb(1e-2, weight_decay=0.01, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+  tx = optax_lamb.offload(make(), compute=compute)
+  state = tx.init(params)
+  for _ in range(2):
+    new_params, state = jax.jit(lambda p, s, g: _apply(tx, p, s, g))(params, state, grads)
+  assert _kinds(state) == {"pinned_host"}
+  for moment in (state[1].mu["w"], state[1].nu["w"]):
+    assert moment.codes.sharding.spec == P(None, "d") and moment.scales.sharding.spec == P(
+      None, "d"
+    )
+  want, want_state = params, make().init(params)
+  for _ in range(2):
+    want, want_state = _apply(make(), params, want_state, grads)
+  np.testing.assert_allclose(new_params["w"], want["w"], rtol=1e-6, atol=1e-8)  # sums per shard
+  np.testing.assert_array_equal(state[1].mu["w"].codes, want_state[1].mu["w"].codes)
+
+
 def test_an_orbax_checkpoint_restores_into_host_memory(tmp_path):
   params = {k: v for k, v in make_params().items() if k != "empty"}  # orbax saves no empty array
   tx = optax_lamb.offload(optax_lamb.lamb(1e-2))

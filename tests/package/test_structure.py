@@ -31,6 +31,8 @@ XLA_PATH = [
   "_checks.py",
   "_ratios.py",
   "_leaf.py",
+  "_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)
+  "_quantize.py",
   "_options.py",
 ]
 PALLAS_BACKEND = [
@@ -44,12 +46,12 @@ PALLAS_BACKEND = [
 PALLAS_PATH = XLA_PATH[:2] + PALLAS_BACKEND + XLA_PATH[3:]
 
 
-def _walk(implementation: str) -> tuple[list[str], collections.Counter]:
+def _walk(implementation: str, **kwargs) -> tuple[list[str], collections.Counter]:
   """(the package files one traced update enters, the calls between them: caller -> callee)."""
-  params = {"w": jnp.ones((4, 300)), "b": jnp.zeros(3), "s": jnp.ones((2, 3, 5))}
+  params = {"w": jnp.ones((16, 300)), "b": jnp.zeros(3), "s": jnp.ones((2, 3, 5))}
   tx = optax_lamb.lamb(
     1e-3, weight_decay=0.01, max_grad_norm=1.0, stacked_axes={"w": 0, "b": 0, "s": 1},
-    implementation=implementation,
+    implementation=implementation, **kwargs,
   )  # fmt: skip
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
@@ -85,6 +87,13 @@ def test_one_update_walks_down_the_layers(implementation, path):
   if implementation == "xla":
     assert len(files) <= 8, files
   upward = [(a, b) for a, b in edges if path.index(a) >= path.index(b)]
+  assert not upward, upward
+
+
+def test_an_update_with_8bit_moments_walks_down_the_layers():
+  files, edges = _walk("xla", mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+  assert {"_moment_storage.py", "_quantize.py"} <= set(files) <= set(XLA_PATH), files
+  upward = [(a, b) for a, b in edges if XLA_PATH.index(a) >= XLA_PATH.index(b)]
   assert not upward, upward
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from optax_lamb import _ratios
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
+from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends import per_device
 from optax_lamb.backends.pallas_triton import common, pass1, pass2, slice_sums
 from optax_lamb.backends.pallas_triton.common import BlockSizes
@@ -93,6 +94,11 @@ class PallasTritonBackend:
         "kernels"
       )
     for leaf, x in zip(plan.leaves, leaves, strict=True):
+      if isinstance(x.m, QuantizedMoment) or isinstance(x.v, QuantizedMoment):
+        return (
+          "8-bit quantized moments (mu_dtype=int8, nu_dtype=uint8): the kernels do not "
+          "dequantize and requantize them yet"
+        )
       if leaf.size == 0:
         continue
       dtypes = {"param": x.p.dtype, "mu": x.m.dtype, "nu": x.v.dtype}

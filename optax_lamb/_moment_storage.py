@@ -1,0 +1,93 @@
+"""How a moment leaf is stored: a float array of its dtype, or 8-bit block-wise quantized.
+
+``mu_dtype=jnp.int8`` / ``nu_dtype=jnp.uint8`` select the block-wise quantized storage of
+`optax_lamb._quantize` (never a plain cast): a leaf that `_quantize.quantizes` is stored as a
+`QuantizedMoment` (int8 codes of the signed map for m, uint8 codes of the unsigned map for v,
+float32 scales per block of 256 along the last axis); a smaller leaf (under 4,096 elements,
+0-d, or a last axis of 1) keeps float32. The layout depends on the param's shape only.
+
+A step loads a moment in the compute dtype (`load`: dequantized), updates it there and stores
+it (`store`: quantized from the unrounded values; where the step is skipped the old codes and
+scales are selected, bit-identical, never requantized).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lamb import _quantize
+from optax_lamb._quantize import QuantizedMoment
+
+QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
+
+
+def is_quantized_dtype(dtype: Any) -> bool:
+  """Whether `dtype` (a moment dtype option) selects 8-bit quantized storage."""
+  return dtype is not None and np.dtype(dtype) in (np.dtype(np.int8), np.dtype(np.uint8))
+
+
+def is_quantized(stored: Any) -> bool:
+  """Whether a stored moment leaf is a `QuantizedMoment` (codes and scales)."""
+  return isinstance(stored, QuantizedMoment)
+
+
+def init(param: Any, dtype: Any) -> Any:
+  """The zero moment of `param` stored in `dtype` (None: the param's dtype).
+
+  For a quantized dtype: ``QuantizedMoment(codes 0, scales 0)`` where the leaf is large
+  enough (`_quantize.quantizes`), else float32 zeros. The codes keep the param's sharding.
+  """
+  if not is_quantized_dtype(dtype):
+    return jnp.zeros_like(param, dtype=dtype)
+  shape = tuple(jnp.shape(param))
+  if not _quantize.quantizes(shape):
+    return jnp.zeros_like(param, dtype=QUANTIZED_FALLBACK)
+  codes = jnp.zeros_like(param, dtype=dtype)
+  scales = jnp.zeros(_quantize.scales_shape(shape), jnp.float32)
+  sharding = scales_sharding(param, scales.shape)
+  return QuantizedMoment(codes, scales if sharding is None else jax.device_put(scales, sharding))
+
+
+def scales_sharding(param: Any, shape: tuple[int, ...]) -> Any:
+  """The params' `NamedSharding` for a concrete param's scales (the last axis split as the
+  param's where its blocks divide evenly, else whole), or None (a traced or unsharded param:
+  the step's jit then places them)."""
+  sharding = getattr(param, "sharding", None) if isinstance(param, jax.Array) else None
+  if not isinstance(sharding, jax.sharding.NamedSharding) or isinstance(param, jax.core.Tracer):
+    return None
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  last = spec[-1]
+  names = () if last is None else (last,) if isinstance(last, str) else tuple(last)
+  if shape[-1] % int(np.prod([sharding.mesh.shape[n] for n in names])) != 0:
+    spec[-1] = None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def signed(stored: QuantizedMoment) -> bool:
+  """The map of a quantized moment, from its codes' dtype: signed (int8, m) or unsigned (v)."""
+  return jnp.dtype(stored.codes.dtype) == jnp.int8
+
+
+def load(stored: Any, dtype: Any) -> jax.Array:
+  """A stored moment in the compute `dtype`: dequantized, or cast."""
+  if is_quantized(stored):
+    return _quantize.dequantize(stored.codes, stored.scales, signed(stored)).astype(dtype)
+  return stored.astype(dtype)
+
+
+def store(moment: jax.Array, old: Any, take: Any = None) -> Any:
+  """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
+  `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step)."""
+  new: Any
+  if is_quantized(old):  # integer codes: no derivative flows into the stored moment
+    new = _quantize.quantize(jax.lax.stop_gradient(moment), signed(old))
+  else:
+    new = moment.astype(old.dtype)
+  if take is None:
+    return new
+  keep = jnp.asarray(take) != 0
+  return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
