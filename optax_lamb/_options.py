@@ -46,12 +46,8 @@ class LambOptions:
   grad_averaging: bool = True  # False: m = b1 m + g (apex, timm)
   weight_decay_placement: DecayPlacement = "direction"
   caution: bool = False  # timm's cautious update
-  # apex, timm: an adapted leaf keeps its ratio only while the weight decay is not 0, read at
-  # each step (`StepScalars.adapt_gate`): an injected weight decay is only known then.
-  adapt_if_decaying: bool = False
-  # ONNX Runtime: per element, a direction that is not finite (or whose p is not) is zeroed and
-  # its moments keep their old values; a new param that is not finite keeps the old one.
-  finite_guard: bool = False
+  adapt_if_decaying: bool = False  # apex, timm: ratio only while the step's weight decay != 0
+  finite_guard: bool = False  # ONNX Runtime: non-finite u or p: u 0, m, v kept; new p: old kept
   mu_dtype: np.dtype | None = None  # storage dtype of the moments (None: the param's)
   nu_dtype: np.dtype | None = None
 

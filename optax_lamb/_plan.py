@@ -33,13 +33,11 @@ class ScaleByTrustRatioState(NamedTuple):
       that ``layout`` gives; ones before the first update.
     layout: the static :class:`RatioLayout` (no arrays) that maps entries to leaves.
 
-  Example:
+  Example (leaves in ``jax.tree.leaves`` order: bias, then one entry per layer):
     >>> import jax, jax.numpy as jnp, optax_lamb
     >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}
     >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
-    >>> state = tx.init(params)
-    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
-    >>> # leaves in jax.tree.leaves order: bias, then layers (one entry per layer)
+    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
     >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)
     [1.0, 1.0, 2.0] float32
   """
@@ -99,9 +97,7 @@ class LeafPlan(NamedTuple):
   stacked_axes: int  # leading axes that index stacked layers, one ratio per slice
   axis_name: Any  # mapped axes the leaf is sharded over (psum its norms), or None
   ratio_offset: int  # first entry of this leaf in the ratio vector
-  # m or v is stored in a dtype narrower than the one it is computed in, or (finite_guard) may
-  # keep its old value where u is computed from the new one: u is then recomputed from g
-  narrow_moments: bool
+  narrow_moments: bool  # stored m, v not those u is computed from (narrow, 8-bit, finite_guard)
 
   @property
   def slices(self) -> int:
@@ -180,8 +176,7 @@ class StepPlan(NamedTuple):
 
 
 def _narrow(stored: Any, grad: Any) -> bool:
-  """Whether a `stored` moment leaf loses precision against the one computed from `grad`'s
-  dtype (always where it is quantized)."""
+  """Whether a `stored` moment loses precision against `grad`'s compute dtype (8-bit: always)."""
   if isinstance(stored, QuantizedMoment):
     return True
   return jnp.dtype(stored.dtype) != _leaf.compute_dtype(grad)
@@ -231,6 +226,7 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
   adam = parts.adam
   gs, ms, vs, ps = (treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, params))
   layout = parts.trust_ratio.layout
+  guard = config.options.finite_guard
   leaves = tuple(
     LeafPlan(
       index=i,
@@ -240,28 +236,18 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
       stacked_axes=axes[i],
       axis_name=names[i],
       ratio_offset=layout.offsets[i],
-      narrow_moments=_narrow(ms[i], gs[i].dtype)
-      or _narrow(vs[i], gs[i].dtype)
-      or config.options.finite_guard,  # the stored moments are not those u is computed from
+      narrow_moments=_narrow(ms[i], gs[i].dtype) or _narrow(vs[i], gs[i].dtype) or guard,
     )
     for i, p in enumerate(ps)
   )
   skipping = None
   if rule is not None:
-    ok = _skip.gradients_ok(gs, scalars.clip_factor, _overflow_limits(config, vs), names)
+    limits = _skip.overflow_limits(config.options.nu_dtype, vs)
+    ok = _skip.gradients_ok(gs, scalars.clip_factor, limits, names)
     consecutive, take = _skip.decide(ok, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)
   parts = parts._replace(decay=decay_state, learning_rate=lr_state)
   return StepPlan(config.options, scalars, leaves, layout, treedef, count, parts, skipping)
-
-
-def _overflow_limits(config: LambConfig, nus: list) -> list[float]:
-  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
-  (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
-  dtype = config.options.nu_dtype
-  if dtype is not None and jnp.dtype(dtype) == jnp.uint8:
-    dtype = jnp.float32
-  return [_skip.overflow_threshold(dtype or v.dtype) for v in nus]
 
 
 def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
@@ -278,7 +264,8 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
       factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
     dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
     nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
-    return _skip.gradients_ok(leaves, factor, _overflow_limits(config, nus), names)
+    limits = _skip.overflow_limits(config.options.nu_dtype, nus)
+    return _skip.gradients_ok(leaves, factor, limits, names)
 
   return ok
 

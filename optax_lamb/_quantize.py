@@ -62,7 +62,19 @@ _DECADES = 7
 
 class QuantizedMoment(NamedTuple):
   """A moment leaf as 8-bit codes (int8 signed, uint8 unsigned) and float32 block scales, as
-  ``lamb(mu_dtype=jnp.int8, nu_dtype=jnp.uint8)`` stores a leaf of 4,096 elements or more."""
+  ``lamb(mu_dtype=jnp.int8, nu_dtype=jnp.uint8)`` stores a leaf of 4,096 elements or more.
+
+  Attributes:
+    codes: the 8-bit codes, of the param's shape.
+    scales: one float32 absmax per block of 256 along the last axis.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lamb
+    >>> tx = optax_lamb.lamb(1e-3, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+    >>> mu = tx.init({"w": jnp.ones((64, 512))})[1].mu["w"]
+    >>> print(type(mu).__name__, mu.codes.dtype, mu.codes.shape, mu.scales.shape)
+    QuantizedMoment int8 (64, 512) (64, 2)
+  """
 
   codes: jax.Array
   scales: jax.Array

@@ -75,6 +75,14 @@ def _agreed(bad: jax.Array, names: list) -> jax.Array:
   return _ratios.psum_if(bad, tuple(sorted(axes)) or None)
 
 
+def overflow_limits(nu_dtype: Any, nus: list) -> list[float]:
+  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
+  (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
+  if nu_dtype is not None and jnp.dtype(nu_dtype) == jnp.uint8:
+    nu_dtype = jnp.float32
+  return [overflow_threshold(nu_dtype or v.dtype) for v in nus]
+
+
 def overflow_threshold(dtype: Any) -> float:
   """The largest |g| whose square, and so every second moment averaged from it, is finite when
   stored in `dtype`: sqrt of its largest value (1.8e19 for float32 and bfloat16, 255.9 for
