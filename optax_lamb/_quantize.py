@@ -1,49 +1,45 @@
 r"""Block-wise dynamic 8-bit quantization of one moment leaf (Dettmers et al., 2022).
 
-A leaf is stored as 8-bit codes of its shape plus one float32 scale per block:
-the block's absolute maximum s. An element x is stored as the code whose value c
-(in [-1, 1]) is nearest to x / s, and read back as c s.
+A leaf is stored as 8-bit codes of its shape plus one float32 scale per block: the block's absolute
+maximum s. An element x is stored as the code whose value c (in [-1, 1]) is nearest to x / s, and
+read back as c s.
 
-Layout (it depends on the leaf's shape only, never on a mesh, so a checkpoint
-restores onto any sharding): blocks of ``block_size`` elements along the last
-axis, each row of the last axis split into ceil(n / block_size) blocks, the last
-one partial. ``codes`` has the leaf's shape (int8 for the signed map, uint8 for
-the unsigned one); ``scales`` has shape ``shape[:-1] + (ceil(n / block_size),)``,
-float32. Stacked layers (leading axes) get their own blocks per slice. A shard
-keeps its blocks whole when it splits leading axes freely and the last axis
-only into pieces that are multiples of ``block_size``; its scales are then the
-matching slice of ``scales`` (the last axis divided by ``block_size``).
+Layout (it depends on the leaf's shape only, never on a mesh, so a checkpoint restores onto any
+sharding): blocks of ``block_size`` elements along the last axis, each row of the last axis split
+into ceil(n / block_size) blocks, the last one partial. ``codes`` has the leaf's shape (int8 for
+the signed map, uint8 for the unsigned one); ``scales`` has shape ``shape[:-1] + (ceil(n /
+block_size),)``, float32. Stacked layers (leading axes) get their own blocks per slice. A shard
+keeps its blocks whole when it splits leading axes freely and the last axis only into pieces that
+are multiples of ``block_size``; its scales are then the matching slice of ``scales`` (the last
+axis divided by ``block_size``).
 
-Code maps: the dynamic tree map of bitsandbytes' ``create_dynamic_map``, same
-256 values, same order. Values lie in decades i = 0..6 (10^(i-7) to 10^(i-6)),
-decade i holding 2^L codes at the midpoints of 2^L equal bins (L = i signed,
-i + 1 unsigned), plus 0 and 1.0:
+Code maps: the dynamic tree map of bitsandbytes' ``create_dynamic_map``, same 256 values, same
+order. Values lie in decades i = 0..6 (10^(i-7) to 10^(i-6)), decade i holding 2^L codes at the
+midpoints of 2^L equal bins (L = i signed, i + 1 unsigned), plus 0 and 1.0:
 
 .. math::
   c = N \cdot A_i, \quad N = 2^{L+1} + 18 j + 9, \quad A_i = \mathrm{f32}(2^{-(L+1)} 10^{i-7}),
   \quad j = 0 .. 2^L - 1
 
-so decoding is one exact integer times one per-decade constant (a single
-rounding, the same on every backend). Signed (int8, sign and magnitude):
-code k in -127..127 is sign(k) times the |k|-th positive value; -128 is +1.0
-(the map has no -1.0). Unsigned (uint8): code k is the k-th value in increasing
-order, 0 is 0 and 255 is 1.0; codes equal bitsandbytes' indices, and signed
-codes k map to its index (k + 127) mod 256.
+so decoding is one exact integer times one per-decade constant (a single rounding, the same on
+every backend). Signed (int8, sign and magnitude): code k in -127..127 is sign(k) times the |k|-th
+positive value; -128 is +1.0 (the map has no -1.0). Unsigned (uint8): code k is the k-th value in
+increasing order, 0 is 0 and 255 is 1.0; codes equal bitsandbytes' indices, and signed codes k map
+to its index (k + 127) mod 256.
 
-Encoding is closed-form (no table, no search): each block is first scaled by a
-power of two so that its scale s' lies in [1, 2) (exact, so codes do not depend
-on the scale's exponent); a candidate code follows from the decade and linear
-rounding within it; two thresholds, the midpoints between the candidate and its
-neighbours (each again one integer times one constant, times s'), move it by at
-most one. The result is the nearest code, up to float32 rounding of a midpoint
-(within 2 ulp of it either neighbour may be chosen; ties go to the smaller
-magnitude). Rounding is deterministic, not stochastic: runs, resumes and skipped
-steps stay bit-reproducible and the state needs no random key.
+Encoding is closed-form (no table, no search): each block is first scaled by a power of two so that
+its scale s' lies in [1, 2) (exact, so codes do not depend on the scale's exponent); a candidate
+code follows from the decade and linear rounding within it; two thresholds, the midpoints between
+the candidate and its neighbours (each again one integer times one constant, times s'), move it by
+at most one. The result is the nearest code, up to float32 rounding of a midpoint (within 2 ulp of
+it either neighbour may be chosen; ties go to the smaller magnitude). Rounding is deterministic,
+not stochastic: runs, resumes and skipped steps stay bit-reproducible and the state needs no random
+key.
 
-Non-finite inputs: a block holding a NaN or an infinity gets the scale NaN and
-codes 0, so it dequantizes to NaN, never to a plausible value; other blocks are
-unaffected. Negative inputs to the unsigned map round to its nearest code, 0.
-Subnormal inputs count as zero (the backends flush them).
+Non-finite inputs: a block holding a NaN or an infinity gets the scale NaN and codes 0, so it
+dequantizes to NaN, never to a plausible value; other blocks are unaffected. Negative inputs to the
+unsigned map round to its nearest code, 0. Subnormal inputs count as zero (the backends flush
+them).
 """
 
 from __future__ import annotations
@@ -64,14 +60,10 @@ class QuantizedMoment(NamedTuple):
   """A moment leaf as 8-bit codes (int8 signed, uint8 unsigned) and float32 block scales, as
   ``lamb(mu_dtype=jnp.int8, nu_dtype=jnp.uint8)`` stores a leaf of 4,096 elements or more.
 
-  Attributes:
-    codes: the 8-bit codes, of the param's shape.
-    scales: one float32 absmax per block of 256 along the last axis.
-
   Example:
     >>> import jax.numpy as jnp, optax_lamb
-    >>> tx = optax_lamb.lamb(1e-3, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
-    >>> mu = tx.init({"w": jnp.ones((64, 512))})[1].mu["w"]
+    >>> tx = optax_lamb.scale_by_adam(mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+    >>> mu = tx.init({"w": jnp.ones((64, 512))}).mu["w"]
     >>> print(type(mu).__name__, mu.codes.dtype, mu.codes.shape, mu.scales.shape)
     QuantizedMoment int8 (64, 512) (64, 2)
   """
@@ -229,12 +221,9 @@ def scales_shape(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[
 def quantizes(
   shape: tuple[int, ...], block_size: int = BLOCK_SIZE, min_size: int = MIN_SIZE
 ) -> bool:
-  """Whether a leaf of ``shape`` is stored quantized (else float32).
-
-  0-d leaves and leaves under ``min_size`` elements stay float32 (biases,
-  LayerNorm scales: a negligible share of the bytes), and so do leaves whose
-  codes and scales would not be smaller than float32 (a last axis of 1).
-  """
+  """Whether a leaf of ``shape`` is stored quantized. 0-d leaves and leaves under ``min_size``
+  elements stay float32 (biases, LayerNorm scales: a negligible share of the bytes), and so do
+  leaves whose codes and scales would not be smaller than float32 (a last axis of 1)."""
   size = int(np.prod(shape)) if shape else 1
   if not shape or size < min_size:
     return False
@@ -275,8 +264,7 @@ def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE) -> Qua
 
   Args:
     x: the moment leaf, any float dtype (computed in float32).
-    signed: the signed map (int8 codes, the first moment) or the unsigned one
-      (uint8 codes, the second moment, which is >= 0).
+    signed: the signed map (int8 codes, the first moment) or the unsigned one (uint8, the second).
     block_size: elements per block along the last axis.
 
   Returns:
@@ -306,7 +294,5 @@ def dequantize(
 
 def zeros(shape: tuple[int, ...], signed: bool, *, block_size: int = BLOCK_SIZE) -> QuantizedMoment:
   """The quantized zero leaf (what ``quantize`` gives for zeros): codes 0, scales 0."""
-  dtype = jnp.int8 if signed else jnp.uint8
-  return QuantizedMoment(
-    jnp.zeros(shape, dtype), jnp.zeros(scales_shape(shape, block_size), jnp.float32)
-  )
+  scales = jnp.zeros(scales_shape(shape, block_size), jnp.float32)
+  return QuantizedMoment(jnp.zeros(shape, jnp.int8 if signed else jnp.uint8), scales)
