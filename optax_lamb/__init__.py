@@ -14,6 +14,7 @@ from optax_lamb._offload import offload
 from optax_lamb._options import RatioLayout
 from optax_lamb._plan import ScaleByTrustRatioState
 from optax_lamb._skip import SkipCounts, SkipNonFiniteState, skip_counts, skip_nonfinite
+from optax_lamb._spikes import SkipSpikesState, SpikeRule, SpikeStats, spike_stats
 from optax_lamb._trust_ratio import scale_by_trust_ratio, trust_ratios
 from optax_lamb._update_and_apply import update_and_apply
 
@@ -28,6 +29,9 @@ __all__ = (
   "ScaleByTrustRatioState",
   "SkipCounts",
   "SkipNonFiniteState",
+  "SkipSpikesState",
+  "SpikeRule",
+  "SpikeStats",
   "UnscaleGradientsState",
   "add_decayed_weights",
   "clip_by_global_norm",
@@ -39,6 +43,7 @@ __all__ = (
   "scale_by_trust_ratio",
   "skip_counts",
   "skip_nonfinite",
+  "spike_stats",
   "trust_ratios",
   "unscale_gradients",
   "update_and_apply",

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios
+from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios, _spikes
+from optax_lamb._spikes import SkipSpikesState, SpikeRule
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -22,7 +23,8 @@ class SkipNonFiniteState(NamedTuple):
 
 
 class SkipCounts(NamedTuple):
-  """Steps skipped for non-finite gradients: in all, and in a row up to the last update."""
+  """Steps skipped: in all, and in a row up to the last update (non-finite ones, and spikes
+  when :func:`skip_nonfinite` has a :class:`SpikeRule`; :func:`spike_stats` counts those)."""
 
   total: jax.Array
   consecutive: jax.Array
@@ -100,6 +102,7 @@ def skip_nonfinite(
   axis_name: Any = None,
   max_consecutive_errors: int | None = None,
   check_results: bool = False,
+  spikes: SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Skip every step whose gradients hold a NaN or an Inf (or, on request, whose results would).
 
@@ -124,42 +127,70 @@ def skip_nonfinite(
       The step is then computed before the choice, so the old and the new state
       are alive together: about one more state's worth of memory at the peak
       (docs/faults.md gives the measured cost). Off by default.
+    spikes: also skip (and count) a finite step whose global gradient norm, or loss
+      (passed as ``tx.update(..., value=loss)``, optax's name for it), jumps far above
+      its running average: a :class:`SpikeRule`. The state is then a
+      :class:`SkipSpikesState`, which holds the averages; :func:`spike_stats` reads them
+      and the number of spikes. None (the default): no spike test, the state is
+      :class:`SkipNonFiniteState` as before.
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
+    An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`
+    (:class:`SkipSpikesState` with ``spikes``).
+
+  Example: skip a step whose gradient norm is 3x its average, after 2 accepted steps.
+
+  >>> import jax.numpy as jnp, optax, optax_lamb
+  >>> rule = optax_lamb.SpikeRule(factor=3.0, warmup_steps=2, decay=0.9)
+  >>> tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), spikes=rule)
+  >>> params = {"w": jnp.ones(3)}
+  >>> state = tx.init(params)
+  >>> for g in (1.0, 1.2, 50.0, 0.9):
+  ...   updates, state = tx.update({"w": jnp.full(3, g)}, state, params, value=jnp.float32(2.0))
+  >>> optax_lamb.skip_counts(state)
+  SkipCounts(total=Array(1, dtype=int32), consecutive=Array(0, dtype=int32))
+  >>> int(optax_lamb.spike_stats(state).skipped), int(optax_lamb.spike_stats(state).norm_steps)
+  (1, 3)
   """
   _check_args.check_transformation("inner", inner)
   _check_args.check_axis_name("axis_name", axis_name)
   if max_consecutive_errors is not None:
     _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
   _check_args.check_bool("check_results", check_results)
-  return skipping(inner, axis_name, max_consecutive_errors, check_results)
+  _spikes.check_rule("spikes", spikes)
+  return skipping(inner, axis_name, max_consecutive_errors, check_results, spikes=spikes)
 
 
 GradsOk = Callable[[Any, Any], jax.Array]  # (grads, params) -> whether the step may be taken
 
 
 def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: int | None,
-             check_results: bool, grads_ok: GradsOk | None = None,
+             check_results: bool, grads_ok: GradsOk | None = None, spikes: SpikeRule | None = None,
              ) -> optax.GradientTransformationExtraArgs:  # fmt: skip
   """`skip_nonfinite` with checked arguments; `grads_ok` decides from the gradients in place of
   their finiteness (lamb's own skip: `optax_lamb._plan.gradients_ok`)."""
   inner = optax.with_extra_args_support(inner)
+  state_type = SkipNonFiniteState if spikes is None else SkipSpikesState
 
-  def init_fn(params: Any) -> SkipNonFiniteState:
-    return initial_state(inner.init(params))
+  def init_fn(params: Any) -> Any:
+    inner_state = inner.init(params)
+    return initial_state(inner_state) if spikes is None else _spikes.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
-    if not isinstance(state, SkipNonFiniteState):
+    if not isinstance(state, state_type):
       raise ValueError(
         f"skip_nonfinite: the optimizer state is {type(state).__name__} where "
-        "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
-        + _explain.RESTORE_HINT
+        f"{state_type.__name__} (what skip_nonfinite(tx{'' if spikes is None else ', spikes=...'})"
+        ".init(params) returns) is expected. " + _explain.RESTORE_HINT
       )
+    verdict = None
+    if spikes is not None:
+      verdict = _spikes.judge(spikes, state, updates, extra_args.get("value"), axis_name)
     if check_results:
-      return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors)
+      return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors,
+                               (spikes, verdict))  # fmt: skip
     ok = all_finite(updates, axis_name) if grads_ok is None else grads_ok(updates, params)
-    consecutive, take = decide(ok, state.consecutive, max_errors)
+    consecutive, take = decide(_spikes.passes(ok, verdict), state.consecutive, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
 
@@ -173,18 +204,19 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
     new_updates, new_inner = jax.lax.cond(
       take, apply, skip, updates, state.inner_state, params, arrays
     )
-    return new_updates, counted(state, ok, consecutive, new_inner)
+    return new_updates, _counted(state, ok, consecutive, new_inner, (spikes, verdict), take)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, params: Any,
-                      extra_args: dict, axis_name: Any, max_errors: int | None) -> tuple:  # fmt: skip
+def _checking_results(inner: Any, updates: Any, state: Any, params: Any,
+                      extra_args: dict, axis_name: Any, max_errors: int | None,
+                      judged: tuple) -> tuple:  # fmt: skip
   """`check_results`: the step computed first, then kept only where all of it is finite."""
   new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
   # A per-leaf axis_name is the gradients' tree: the results are agreed over its axes.
   finite = all_finite((updates, new_updates, new_inner), axis_name, names_of=updates)
-  consecutive, take = decide(finite, state.consecutive, max_errors)
+  consecutive, take = decide(_spikes.passes(finite, judged[1]), state.consecutive, max_errors)
   new_updates, new_inner = jax.lax.cond(
     take,
     lambda taken, kept: taken,
@@ -192,7 +224,16 @@ def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, param
     (new_updates, new_inner),
     state.inner_state,
   )
-  return new_updates, counted(state, finite, consecutive, new_inner)
+  return new_updates, _counted(state, finite, consecutive, new_inner, judged, take)
+
+
+def _counted(state: Any, finite: jax.Array, consecutive: jax.Array, new_inner: Any,
+             judged: tuple, take: jax.Array) -> Any:  # fmt: skip
+  """The wrapper's state after a step; `judged`: (the spike rule, its verdict) or (None, None)."""
+  rule, verdict = judged
+  if verdict is None:
+    return counted(state, finite, consecutive, new_inner)
+  return _spikes.counted(rule, state, finite, verdict, take, consecutive, new_inner)
 
 
 def counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNonFiniteState:
@@ -204,7 +245,7 @@ def counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNo
 
 
 def skip_counts(opt_state: Any) -> SkipCounts:
-  """Steps skipped for non-finite gradients, read from any optimizer state.
+  """Steps skipped (for non-finite gradients, or as spikes), read from any optimizer state.
 
   Searches any nesting of ``chain``, ``MultiSteps`` and ``inject_hyperparams``
   states for a :class:`SkipNonFiniteState` (``lamb(skip_nonfinite=True)`` or
@@ -218,7 +259,7 @@ def skip_counts(opt_state: Any) -> SkipCounts:
   """
   found = _checks.find_states(
     opt_state,
-    SkipNonFiniteState,
+    (SkipNonFiniteState, SkipSpikesState),
     "No skip_nonfinite stage in this optimizer state: build it with "
     "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx).",
   )
