@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios, _spikes
+from optax_lamb import _check_args, _checks, _explain, _loss_scale, _nnx, _ratios, _spikes
 from optax_lamb._spikes import SkipSpikesState, SpikeRule
 
 
@@ -185,7 +185,9 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
       )
     verdict = None
     if spikes is not None:
-      verdict = _spikes.judge(spikes, state, updates, extra_args.get("value"), axis_name)
+      scale = extra_args.get("grad_scale")  # the norm of the unscaled gradients is judged
+      scale = None if scale is None else _loss_scale.given_scale(scale)
+      verdict = _spikes.judge(spikes, state, updates, extra_args.get("value"), axis_name, scale)
     if check_results:
       return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors,
                                (spikes, verdict))  # fmt: skip

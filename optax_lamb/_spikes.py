@@ -137,12 +137,15 @@ def _above(x: jax.Array, average: jax.Array, steps: jax.Array, rule: SpikeRule,
   return jnp.logical_and(steps >= rule.warmup_steps, x > factor * average)
 
 
-def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any
-          ) -> Verdict:  # fmt: skip
-  """Whether this step is a spike, from the gradients' global norm (agreed over the mapped
-  axes of `axis_name`) and the loss (None: not passed; averaged over those axes)."""
+def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
+          grad_scale: Any = None) -> Verdict:  # fmt: skip
+  """Whether this step is a spike, for a `SkipSpikesState`: from the global norm of the
+  gradients divided by `grad_scale` (agreed over the mapped axes of `axis_name`) and the
+  loss (None: not passed; averaged over those axes)."""
   names, axes = _axes(axis_name, grads)
   norm = _ratios.global_norm(jax.tree.leaves(grads), names).astype(jnp.float32)
+  if grad_scale is not None:
+    norm = norm / jnp.asarray(grad_scale, jnp.float32)
   spike = _above(norm, state.norm_average, state.norm_steps, rule, rule.factor)
   if loss is None:
     return Verdict(spike, norm, None)

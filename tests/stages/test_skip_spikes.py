@@ -304,3 +304,27 @@ def test_bad_spikes_and_bad_loss(rng):
   params = params_of(rng)
   with pytest.raises(ValueError, match=r"value must be a scalar loss, got shape \(2,\)"):
     tx.update(params, tx.init(params), params, value=jnp.ones(2))
+
+
+@pytest.mark.parametrize("where", ["around lamb", "after unscale_gradients"])
+def test_a_loss_scale_passed_to_update_is_divided_out_of_the_norm(where, rng):
+  """With update(..., grad_scale=s) the rule judges the unscaled gradients' norm: a scale
+  that changes between steps (a dynamic loss scale) is no spike."""
+  grads, losses = sequence(rng)
+  params = params_of(rng)
+  tx = optax_lamb.skip_nonfinite(optax_lamb.lamb(1e-2), spikes=RULE)
+  if where == "after unscale_gradients":
+    tx = optax.chain(optax_lamb.unscale_gradients(), tx)
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p, v, k: tx.update(g, s, p, value=v, grad_scale=k))
+  ref = SpikeReference(RULE)
+  for t, (g, loss) in enumerate(zip(grads, losses, strict=True)):
+    scale = 2.0 ** (4 + 3 * (t % 3))
+    scaled = jax.tree.map(lambda x, scale=scale: x * scale, g)
+    updates, state = step(scaled, state, params, jnp.float32(loss), jnp.float32(scale))
+    moved = any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+    assert moved == ref.step(g, loss), t
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(
+    float(optax_lamb.spike_stats(state).norm_average), ref.norm[0], rtol=1e-5
+  )
