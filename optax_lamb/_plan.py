@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _leaf, _options, _ratios, _skip
+from optax_lamb import _checks, _leaf, _options, _ratios, _skip, _spikes
 from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalars
 
 
@@ -119,15 +119,17 @@ class StepResult(NamedTuple, Generic[T]):
 
 
 class SkipRule(NamedTuple):
-  """Skipping (lamb's ``skip_nonfinite``): the skipped steps in a row so far, and how many in a
-  row are let through (None: none)."""
+  """Skipping (lamb's ``skip_nonfinite``): the skipped steps in a row so far, how many in a
+  row are let through (None: none), and with ``skip_spikes`` the spike test's verdict."""
 
   consecutive: jax.Array
   max_errors: int | None
+  verdict: Any = None  # optax_lamb._spikes.Verdict: a spike is skipped too
 
 
 class Skipping(NamedTuple):
-  """A step's skip decision: the gradients were fine, and the count of skipped steps in a row."""
+  """A step's skip decision: the gradients were fine (a spike aside), and the count of skipped
+  steps in a row."""
 
   ok: jax.Array
   consecutive: jax.Array
@@ -225,7 +227,8 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
   skipping = None
   if rule is not None:
     ok = _skip.gradients_ok(gs, scalars.clip_factor, _overflow_limits(config, vs), names)
-    consecutive, take = _skip.decide(ok, rule.consecutive, rule.max_errors)
+    fine = ok if rule.verdict is None else _spikes.passes(ok, rule.verdict)
+    consecutive, take = _skip.decide(fine, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)
   parts = parts._replace(decay=decay_state, learning_rate=lr_state)
   return StepPlan(config.options, scalars, leaves, layout, treedef, count, parts, skipping)

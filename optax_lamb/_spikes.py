@@ -137,13 +137,37 @@ def _above(x: jax.Array, average: jax.Array, steps: jax.Array, rule: SpikeRule,
   return jnp.logical_and(steps >= rule.warmup_steps, x > factor * average)
 
 
+def _global_norm(leaves: list, names: list) -> jax.Array:
+  """The norm of all `leaves` (psum'd over their axis names), right for every finite input, in
+  one blocked pass (`_ratios.leaf_sq_sums`: no copy of a leaf, no conditional): the plain sum
+  of squares, or where it overflowed or may have underflowed, the sum scaled down or up."""
+  totals: dict[Any, jax.Array] = {}
+  for x, name in zip(leaves, names, strict=True):
+    sums = jnp.stack(_ratios.leaf_sq_sums(x, scales=_ratios.SCALES)).astype(jnp.float32)
+    totals[name] = totals.get(name, jnp.zeros(3, jnp.float32)) + sums
+  total = sum((_ratios.psum_if(t, n) for n, t in totals.items()), jnp.zeros(3, jnp.float32))
+  plain, down, up = total[0], total[1], total[2]
+  rescued = jnp.where(
+    jnp.isinf(plain),
+    _ratios.safe_sqrt(down) / _ratios.DOWN,
+    _ratios.safe_sqrt(up) / _ratios.UP,
+  )
+  return jnp.where(_ratios.suspect(plain), rescued, _ratios.safe_sqrt(plain))
+
+
 def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
-          grad_scale: Any = None) -> Verdict:  # fmt: skip
+          grad_scale: Any = None, clip_norm: bool = False) -> Verdict:  # fmt: skip
   """Whether this step is a spike, for a `SkipSpikesState`: from the global norm of the
   gradients divided by `grad_scale` (agreed over the mapped axes of `axis_name`) and the
-  loss (None: not passed; averaged over those axes)."""
+  loss (None: not passed; averaged over those axes). `clip_norm`: the norm as lamb's global
+  clipping computes it (`_ratios.global_norm`), which XLA then computes once for both (the
+  two norms side by side made XLA:CPU copy the gradients)."""
   names, axes = _axes(axis_name, grads)
-  norm = _ratios.global_norm(jax.tree.leaves(grads), names).astype(jnp.float32)
+  leaves = jax.tree.leaves(grads)
+  if clip_norm:
+    norm = _ratios.global_norm(leaves, names).astype(jnp.float32)
+  else:
+    norm = _global_norm(leaves, names)
   if grad_scale is not None:
     norm = norm / jnp.asarray(grad_scale, jnp.float32)
   spike = _above(norm, state.norm_average, state.norm_steps, rule, rule.factor)

@@ -328,3 +328,55 @@ def test_a_loss_scale_passed_to_update_is_divided_out_of_the_norm(where, rng):
   np.testing.assert_allclose(
     float(optax_lamb.spike_stats(state).norm_average), ref.norm[0], rtol=1e-5
   )
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+@pytest.mark.parametrize("master", [False, True])
+def test_lamb_skip_spikes_is_the_wrapper_fused(implementation, master, rng):
+  """lamb(skip_nonfinite=True, skip_spikes=rule) takes the reference's decisions and computes
+  what skip_nonfinite(lamb(...), spikes=rule) computes, on the fused step and on the chain."""
+  grads, losses = sequence(rng)
+  params = params_of(rng)
+  kw = dict(weight_decay=0.01, max_grad_norm=1.0, master_weights=master)
+  tx = optax_lamb.lamb(
+    1e-2, skip_nonfinite=True, skip_spikes=RULE, implementation=implementation, **kw
+  )
+  p, s, taken = check_against_reference(tx, SpikeReference(RULE), params, grads, losses)
+  assert isinstance(s, optax_lamb.SkipSpikesState)
+  wrapped = optax_lamb.skip_nonfinite(optax_lamb.lamb(1e-2, **kw), spikes=RULE)
+  p_wrapped, s_wrapped, taken_wrapped = check_against_reference(
+    wrapped, SpikeReference(RULE), params, grads, losses
+  )
+  assert taken == taken_wrapped
+  assert_trees_close(p, p_wrapped, rtol=1e-6)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_lamb_skip_spikes_has_no_parameter_sized_temporary(max_grad_norm):
+  """Fused into lamb's step, the spike rule keeps lamb's own skip's budget: 1% of the params
+  plus 64 KiB (tests/backends/test_memory_budget.py), where the wrapper holds a copy."""
+  shapes = {"odd": (600, 500), "prime": (100_003,), "bias": (768,), "scalar": ()}
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  param_bytes = 4 * sum(math.prod(s) for s in shapes.values())
+  tx = optax_lamb.lamb(
+    1e-3, weight_decay=0.01, max_grad_norm=max_grad_norm, skip_nonfinite=True, skip_spikes=RULE
+  )
+
+  def step(p, s, g, v):
+    u, s = tx.update(g, s, p, value=v)
+    return optax.apply_updates(p, u), s
+
+  state = jax.eval_shape(tx.init, params)
+  loss = jax.ShapeDtypeStruct((), jnp.float32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params, loss)
+  temps = lowered.compile().memory_analysis().temp_size_in_bytes
+  assert temps <= 0.01 * param_bytes + 64 * 1024, temps / param_bytes
+
+
+def test_lamb_skip_spikes_needs_skip_nonfinite():
+  with pytest.raises(ValueError, match=r"skip_spikes needs skip_nonfinite=True"):
+    optax_lamb.lamb(1e-2, skip_spikes=RULE)
+  with pytest.raises(TypeError, match=r"skip_spikes must be None or an optax_lamb.SpikeRule"):
+    optax_lamb.lamb(1e-2, skip_nonfinite=True, skip_spikes=3.0)
