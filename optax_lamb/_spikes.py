@@ -198,7 +198,8 @@ def _averaged(average: jax.Array, steps: jax.Array, x: jax.Array, use: jax.Array
   """(average, steps) with `x` taken in where `use`: the bias-corrected EMA,
   a_n = a_{n-1} + (x - a_{n-1}) (1 - d) / (1 - d^n), so a_1 = x."""
   n = optax.safe_increment(steps)
-  weight = (1.0 - decay) / (1.0 - jnp.power(jnp.float32(decay), n.astype(jnp.float32)))
+  d = jnp.float32(decay)
+  weight = (1 - d) / (1 - jnp.power(d, n.astype(jnp.float32)))  # exactly 1 at n = 1
   new = average + (x - average) * weight
   return jnp.where(use, new, average), jnp.where(use, n, steps)
 

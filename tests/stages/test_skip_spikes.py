@@ -380,3 +380,24 @@ def test_lamb_skip_spikes_needs_skip_nonfinite():
     optax_lamb.lamb(1e-2, skip_spikes=RULE)
   with pytest.raises(TypeError, match=r"skip_spikes must be None or an optax_lamb.SpikeRule"):
     optax_lamb.lamb(1e-2, skip_nonfinite=True, skip_spikes=3.0)
+
+
+def test_under_inject_hyperparams(rng):
+  """The rule is a static argument of inject_hyperparams (not a number); spike_stats finds the
+  state inside."""
+  grads, losses = sequence(rng, steps=10, spikes=(7,), loss_spikes=(), nan=())
+  params = params_of(rng)
+  tx = optax.inject_hyperparams(optax_lamb.lamb)(
+    learning_rate=1e-2, skip_nonfinite=True, skip_spikes=RULE
+  )
+  _, state, taken = check_against_reference(tx, SpikeReference(RULE), params, grads, losses)
+  assert not taken[7] and int(optax_lamb.spike_stats(state).skipped) == 1
+
+
+def test_the_first_accepted_value_is_the_average():
+  tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), spikes=optax_lamb.SpikeRule(decay=0.99))
+  params = {"w": jnp.ones(3)}
+  _, state = tx.update({"w": jnp.full(3, 2.0)}, tx.init(params), params, value=jnp.float32(1.3))
+  stats = optax_lamb.spike_stats(state)
+  assert float(stats.loss_average) == np.float32(1.3)
+  assert float(stats.norm_average) == float(jnp.sqrt(jnp.float32(12.0)))
