@@ -15,6 +15,7 @@ from optax_lamb._options import RatioLayout
 from optax_lamb._plan import ScaleByTrustRatioState
 from optax_lamb._quantize import QuantizedMoment
 from optax_lamb._skip import SkipCounts, SkipNonFiniteState, skip_counts, skip_nonfinite
+from optax_lamb._spikes import SkipSpikesState, SpikeRule, SpikeStats, spike_stats
 from optax_lamb._trust_ratio import scale_by_trust_ratio, trust_ratios
 from optax_lamb._update_and_apply import update_and_apply
 
@@ -30,6 +31,9 @@ __all__ = (
   "ScaleByTrustRatioState",
   "SkipCounts",
   "SkipNonFiniteState",
+  "SkipSpikesState",
+  "SpikeRule",
+  "SpikeStats",
   "UnscaleGradientsState",
   "add_decayed_weights",
   "clip_by_global_norm",
@@ -41,6 +45,7 @@ __all__ = (
   "scale_by_trust_ratio",
   "skip_counts",
   "skip_nonfinite",
+  "spike_stats",
   "trust_ratios",
   "unscale_gradients",
   "update_and_apply",

@@ -250,7 +250,7 @@ def resolve_axis_names(axis_name: Any, tree: Any) -> list[Any]:
   return out
 
 
-def find_states(opt_state: Any, state_type: type, missing: str) -> list[Any]:
+def find_states(opt_state: Any, state_type: type | tuple[type, ...], missing: str) -> list[Any]:
   """Every `state_type` inside any nesting of optax states; ValueError(`missing`) if none."""
   is_match = lambda x: isinstance(x, state_type)
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_match) if is_match(s)]

@@ -34,6 +34,7 @@ def lamb(
   skip_nonfinite: bool = False,
   grad_scale: Any = None,
   master_weights: bool = False,
+  skip_spikes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The LAMB optimizer (You et al. 2019), a drop-in for :func:`optax.lamb`.
 
@@ -106,6 +107,13 @@ def lamb(
     master_weights: keep float32 master copies of the params in the state and run
       the LAMB math on them (:func:`optax_lamb.with_master_weights`), for
       bfloat16/float16 params.
+    skip_spikes: with ``skip_nonfinite=True``, also skip a step whose global gradient
+      norm (unscaled), or loss passed as ``update(..., value=loss)``, exceeds a
+      multiple of its running average: an :class:`optax_lamb.SpikeRule`, as
+      ``skip_nonfinite(tx, spikes=...)`` takes it, but fused into the step (no copy
+      of the state). The state is then :class:`optax_lamb.SkipSpikesState`
+      (:func:`optax_lamb.spike_stats`). :func:`optax_lamb.update_and_apply` passes
+      no loss: there the rule judges the norm alone.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; its updates have the
@@ -173,4 +181,5 @@ def lamb(
     skip_nonfinite=skip_nonfinite,
     grad_scale=grad_scale,
     master_weights=master_weights,
+    skip_spikes=skip_spikes,
   )

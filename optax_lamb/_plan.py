@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _leaf, _options, _ratios, _skip
+from optax_lamb import _checks, _leaf, _options, _ratios, _skip, _spikes
 from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalars
 from optax_lamb._quantize import QuantizedMoment
 
@@ -134,15 +134,16 @@ class StepResult(NamedTuple, Generic[T]):
 
 
 class SkipRule(NamedTuple):
-  """Skipping (lamb's ``skip_nonfinite``): the skipped steps in a row so far, and how many in a
-  row are let through (None: none)."""
+  """Skipping (lamb's ``skip_nonfinite``): the skipped steps in a row so far, how many in a
+  row are let through (None: none), and with ``skip_spikes`` the spike test's verdict."""
 
   consecutive: jax.Array
   max_errors: int | None
+  verdict: Any = None  # optax_lamb._spikes.Verdict: a spike is skipped too
 
 
 class Skipping(NamedTuple):
-  """A step's skip decision: the gradients were fine, and the count of skipped steps in a row."""
+  """A step's skip decision: the gradients were fine (a spike aside), the skipped steps in a row."""
 
   ok: jax.Array
   consecutive: jax.Array
@@ -177,9 +178,7 @@ class StepPlan(NamedTuple):
 
 def _narrow(stored: Any, grad: Any) -> bool:
   """Whether a `stored` moment loses precision against `grad`'s compute dtype (8-bit: always)."""
-  if isinstance(stored, QuantizedMoment):
-    return True
-  return jnp.dtype(stored.dtype) != _leaf.compute_dtype(grad)
+  return isinstance(stored, QuantizedMoment) or jnp.dtype(stored.dtype) != _leaf.compute_dtype(grad)
 
 
 def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: list) -> tuple:
@@ -226,7 +225,7 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
   adam = parts.adam
   gs, ms, vs, ps = (treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, params))
   layout = parts.trust_ratio.layout
-  guard = config.options.finite_guard
+  guard, nu_dtype = config.options.finite_guard, config.options.nu_dtype
   leaves = tuple(
     LeafPlan(
       index=i,
@@ -242,9 +241,9 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
   )
   skipping = None
   if rule is not None:
-    limits = _skip.overflow_limits(config.options.nu_dtype, vs)
-    ok = _skip.gradients_ok(gs, scalars.clip_factor, limits, names)
-    consecutive, take = _skip.decide(ok, rule.consecutive, rule.max_errors)
+    ok = _spikes.gradients_ok(gs, scalars.clip_factor, _spikes.overflow_limits(nu_dtype, vs), names)
+    fine = ok if rule.verdict is None else _spikes.passes(ok, rule.verdict)
+    consecutive, take = _skip.decide(fine, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)
   parts = parts._replace(decay=decay_state, learning_rate=lr_state)
   return StepPlan(config.options, scalars, leaves, layout, treedef, count, parts, skipping)
@@ -264,8 +263,8 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
       factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
     dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
     nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
-    limits = _skip.overflow_limits(config.options.nu_dtype, nus)
-    return _skip.gradients_ok(leaves, factor, limits, names)
+    limits = _spikes.overflow_limits(config.options.nu_dtype, nus)
+    return _spikes.gradients_ok(leaves, factor, limits, names)
 
   return ok
 

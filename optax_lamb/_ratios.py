@@ -273,3 +273,11 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax
   ratio = _leaf.trust_ratio(*norms, s)
   gate = True if s.adapt_gate is None else s.adapt_gate != 0  # apex, timm: wd 0, no ratio
   return jnp.where(jnp.logical_and(np.asarray(adapted, bool), gate), ratio, jnp.ones_like(ratio))
+
+
+def psum_over_names(bad: jax.Array, names: list) -> jax.Array:
+  """The count `bad` summed over every axis any leaf is sharded on: all devices decide alike."""
+  axes: set[str] = set()
+  for name in names:
+    axes.update((name,) if isinstance(name, str) else (name or ()))
+  return psum_if(bad, tuple(sorted(axes)) or None)

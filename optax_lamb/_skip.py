@@ -7,10 +7,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_lamb import _check_args, _checks, _explain, _nnx, _ratios
+from optax_lamb import _check_args, _checks, _explain, _loss_scale, _nnx, _ratios, _spikes
+from optax_lamb._spikes import SkipSpikesState, SpikeRule
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -34,7 +34,8 @@ class SkipNonFiniteState(NamedTuple):
 
 
 class SkipCounts(NamedTuple):
-  """Steps skipped for non-finite gradients: in all, and in a row up to the last update.
+  """Steps skipped: in all, and in a row up to the last update (non-finite ones, and spikes
+  when :func:`skip_nonfinite` has a :class:`SpikeRule`; :func:`spike_stats` counts those).
 
   Attributes:
     total: int32 scalar, steps skipped since ``init``.
@@ -64,52 +65,7 @@ def all_finite(tree: Any, axis_name: Any = None, names_of: Any = None) -> jax.Ar
     (jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(tree)),
     jnp.zeros((), jnp.int32),
   )
-  return _agreed(bad, names) == 0
-
-
-def _agreed(bad: jax.Array, names: list) -> jax.Array:
-  """The count `bad` summed over every axis any leaf is sharded on: all devices decide alike."""
-  axes: set[str] = set()
-  for name in names:
-    axes.update((name,) if isinstance(name, str) else (name or ()))
-  return _ratios.psum_if(bad, tuple(sorted(axes)) or None)
-
-
-def overflow_limits(nu_dtype: Any, nus: list) -> list[float]:
-  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
-  (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
-  if nu_dtype is not None and jnp.dtype(nu_dtype) == jnp.uint8:
-    nu_dtype = jnp.float32
-  return [overflow_threshold(nu_dtype or v.dtype) for v in nus]
-
-
-def overflow_threshold(dtype: Any) -> float:
-  """The largest |g| whose square, and so every second moment averaged from it, is finite when
-  stored in `dtype`: sqrt of its largest value (1.8e19 for float32 and bfloat16, 255.9 for
-  float16)."""
-  return float(np.sqrt(float(jnp.finfo(jnp.dtype(dtype)).max)))
-
-
-def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list) -> jax.Array:
-  """Whether every gradient times the clip `factor` is finite and below its leaf's second
-  moment's `overflow_threshold`: the largest |g| of each leaf, one reduction over the
-  gradients, agreed over the mapped axes (a NaN counts as too large)."""
-  bad = jnp.zeros((), jnp.int32)
-  for g, limit in zip(grads, thresholds, strict=True):
-    peak, nan = _peak(g)
-    if factor is not None:
-      peak = peak * factor
-    bad = bad + jnp.logical_or(nan, jnp.logical_not(peak < limit)).astype(jnp.int32)
-  return _agreed(bad, names) == 0
-
-
-def _peak(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(max |g|, whether g holds a NaN), in one reduction: XLA:CPU hands a lone max to a library
-  that reads its input from memory, g's |.| written out first."""
-  axes = tuple(range(g.ndim))
-  init = (jnp.zeros((), g.dtype), jnp.zeros((), jnp.bool_))
-  combine = lambda a, b: (jnp.maximum(a[0], b[0]), jnp.logical_or(a[1], b[1]))
-  return jax.lax.reduce((jnp.abs(g), jnp.isnan(g)), init, combine, axes)
+  return _ratios.psum_over_names(bad, names) == 0
 
 
 def decide(ok: jax.Array, consecutive: jax.Array, max_errors: int | None) -> tuple:
@@ -132,6 +88,7 @@ def skip_nonfinite(
   axis_name: Any = None,
   max_consecutive_errors: int | None = None,
   check_results: bool = False,
+  spikes: SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Skip every step whose gradients hold a NaN or an Inf (or, on request, whose results would).
 
@@ -156,9 +113,16 @@ def skip_nonfinite(
       The step is then computed before the choice, so the old and the new state
       are alive together: about one more state's worth of memory at the peak
       (docs/faults.md gives the measured cost). Off by default.
+    spikes: also skip (and count) a finite step whose global gradient norm, or loss
+      (passed as ``tx.update(..., value=loss)``, optax's name for it), jumps far above
+      its running average: a :class:`SpikeRule`. The state is then a
+      :class:`SkipSpikesState`, which holds the averages; :func:`spike_stats` reads them
+      and the number of spikes. None (the default): no spike test, the state is
+      :class:`SkipNonFiniteState` as before.
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`.
+    An :class:`optax.GradientTransformationExtraArgs` with :class:`SkipNonFiniteState`
+    (:class:`SkipSpikesState` with ``spikes``).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_lamb
@@ -171,39 +135,58 @@ def skip_nonfinite(
     >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)
     >>> print([round(x, 4) for x in updates["w"].tolist()])  # taken
     [-0.1, -0.1]
+
+  Skip a step whose gradient norm is 3x its average, after 2 accepted steps:
+
+    >>> rule = optax_lamb.SpikeRule(factor=3.0, warmup_steps=2, decay=0.9)
+    >>> tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), spikes=rule)
+    >>> state = tx.init(params)
+    >>> for g in (1.0, 1.2, 50.0, 0.9):
+    ...   updates, state = tx.update({"w": jnp.full(2, g)}, state, params, value=jnp.float32(2.0))
+    >>> print(int(optax_lamb.skip_counts(state).total), int(optax_lamb.spike_stats(state).skipped))
+    1 1
   """
   _check_args.check_transformation("inner", inner)
   _check_args.check_axis_name("axis_name", axis_name)
   if max_consecutive_errors is not None:
     _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
   _check_args.check_bool("check_results", check_results)
-  return skipping(inner, axis_name, max_consecutive_errors, check_results)
+  _spikes.check_rule("spikes", spikes)
+  return skipping(inner, axis_name, max_consecutive_errors, check_results, spikes=spikes)
 
 
 GradsOk = Callable[[Any, Any], jax.Array]  # (grads, params) -> whether the step may be taken
 
 
 def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: int | None,
-             check_results: bool, grads_ok: GradsOk | None = None,
+             check_results: bool, grads_ok: GradsOk | None = None, spikes: SpikeRule | None = None,
              ) -> optax.GradientTransformationExtraArgs:  # fmt: skip
   """`skip_nonfinite` with checked arguments; `grads_ok` decides from the gradients in place of
   their finiteness (lamb's own skip: `optax_lamb._plan.gradients_ok`)."""
   inner = optax.with_extra_args_support(inner)
+  state_type = SkipNonFiniteState if spikes is None else SkipSpikesState
 
-  def init_fn(params: Any) -> SkipNonFiniteState:
-    return initial_state(inner.init(params))
+  def init_fn(params: Any) -> Any:
+    inner_state = inner.init(params)
+    return initial_state(inner_state) if spikes is None else _spikes.initial_state(inner_state)
 
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
-    if not isinstance(state, SkipNonFiniteState):
+    if not isinstance(state, state_type):
       raise ValueError(
         f"skip_nonfinite: the optimizer state is {type(state).__name__} where "
-        "SkipNonFiniteState (what skip_nonfinite(tx).init(params) returns) is expected. "
-        + _explain.RESTORE_HINT
+        f"{state_type.__name__} (what skip_nonfinite(tx{'' if spikes is None else ', spikes=...'})"
+        ".init(params) returns) is expected. " + _explain.RESTORE_HINT
       )
+    verdict = None
+    if spikes is not None:
+      scale = extra_args.get("grad_scale")  # the norm of the unscaled gradients is judged
+      scale = None if scale is None else _loss_scale.given_scale(scale)
+      verdict = _spikes.judge(spikes, state, updates, extra_args.get("value"), axis_name, scale)
     if check_results:
-      return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors)
+      return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors,
+                               (spikes, verdict))  # fmt: skip
     ok = all_finite(updates, axis_name) if grads_ok is None else grads_ok(updates, params)
-    consecutive, take = decide(ok, state.consecutive, max_errors)
+    consecutive, take = decide(_spikes.passes(ok, verdict), state.consecutive, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
 
@@ -217,18 +200,19 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
     new_updates, new_inner = jax.lax.cond(
       take, apply, skip, updates, state.inner_state, params, arrays
     )
-    return new_updates, counted(state, ok, consecutive, new_inner)
+    return new_updates, _counted(state, ok, consecutive, new_inner, (spikes, verdict), take)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, params: Any,
-                      extra_args: dict, axis_name: Any, max_errors: int | None) -> tuple:  # fmt: skip
+def _checking_results(inner: Any, updates: Any, state: Any, params: Any,
+                      extra_args: dict, axis_name: Any, max_errors: int | None,
+                      judged: tuple) -> tuple:  # fmt: skip
   """`check_results`: the step computed first, then kept only where all of it is finite."""
   new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
   # A per-leaf axis_name is the gradients' tree: the results are agreed over its axes.
   finite = all_finite((updates, new_updates, new_inner), axis_name, names_of=updates)
-  consecutive, take = decide(finite, state.consecutive, max_errors)
+  consecutive, take = decide(_spikes.passes(finite, judged[1]), state.consecutive, max_errors)
   new_updates, new_inner = jax.lax.cond(
     take,
     lambda taken, kept: taken,
@@ -236,7 +220,16 @@ def _checking_results(inner: Any, updates: Any, state: SkipNonFiniteState, param
     (new_updates, new_inner),
     state.inner_state,
   )
-  return new_updates, counted(state, finite, consecutive, new_inner)
+  return new_updates, _counted(state, finite, consecutive, new_inner, judged, take)
+
+
+def _counted(state: Any, finite: jax.Array, consecutive: jax.Array, new_inner: Any,
+             judged: tuple, take: jax.Array) -> Any:  # fmt: skip
+  """The wrapper's state after a step; `judged`: (the spike rule, its verdict) or (None, None)."""
+  rule, verdict = judged
+  if verdict is None:
+    return counted(state, finite, consecutive, new_inner)
+  return _spikes.counted(rule, state, finite, verdict, take, consecutive, new_inner)
 
 
 def counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNonFiniteState:
@@ -248,7 +241,7 @@ def counted(state: SkipNonFiniteState, finite, consecutive, new_inner) -> SkipNo
 
 
 def skip_counts(opt_state: Any) -> SkipCounts:
-  """Steps skipped for non-finite gradients, read from any optimizer state.
+  """Steps skipped (for non-finite gradients, or as spikes), read from any optimizer state.
 
   Searches any nesting of ``chain``, ``MultiSteps`` and ``inject_hyperparams``
   states for a :class:`SkipNonFiniteState` (``lamb(skip_nonfinite=True)`` or
@@ -272,7 +265,7 @@ def skip_counts(opt_state: Any) -> SkipCounts:
   """
   found = _checks.find_states(
     opt_state,
-    SkipNonFiniteState,
+    (SkipNonFiniteState, SkipSpikesState),
     "No skip_nonfinite stage in this optimizer state: build it with "
     "optax_lamb.lamb(..., skip_nonfinite=True) or optax_lamb.skip_nonfinite(tx).",
   )

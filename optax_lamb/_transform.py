@@ -29,6 +29,7 @@ from optax_lamb import (
   _reference,
   _registry,
   _skip,
+  _spikes,
 )
 from optax_lamb._loss_scale import (
   UnscaleGradientsState,
@@ -43,18 +44,22 @@ Step = Callable[..., tuple[Any, Any]]  # (grads, state, params, *, apply) -> (ou
 
 
 def _fused_step(config: LambConfig, implementation: _registry.Implementation, skipping: bool,
-                master: bool) -> Step:  # fmt: skip
+                master: bool, spikes: _spikes.SpikeRule | None = None) -> Step:  # fmt: skip
   """A planned step on the registry's backend, and lamb's own wrappers around it in the state
   they give (`SkipNonFiniteState` outside `MasterWeightsState`): the skip decided before the
   step, which then keeps every buffer where it is skipped; the step run on the master weights,
   written in place, and the params' update taken towards them."""
 
-  def step(grads: Any, state: Any, params: Any, *, apply: bool) -> tuple[Any, Any]:
+  def step(grads: Any, state: Any, params: Any, *, apply: bool, value: Any = None) -> tuple:
     inner = state.inner_state if skipping else state
     lamb_state, on = (inner.inner_state, inner.master) if master else (inner, params)
     if master:
       grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, on)
-    rule = _plan.SkipRule(state.consecutive, None) if skipping else None
+    verdict = None
+    if spikes is not None:
+      clip = config.hyper.max_grad_norm is not None
+      verdict = _spikes.judge(spikes, state, grads, value, config.per_leaf.axis_name, None, clip)
+    rule = _plan.SkipRule(state.consecutive, None, verdict) if skipping else None
     plan = _plan.plan_step(config, grads, lamb_state, on, rule)
     result = _registry.step(
       implementation, plan, _plan.leaf_arrays(plan, grads, on), apply=apply and not master
@@ -70,7 +75,11 @@ def _fused_step(config: LambConfig, implementation: _registry.Implementation, sk
       out = optax.apply_updates(params, out) if apply else out
     if plan.skipping is None:
       return out, new_inner
-    return out, _skip.counted(state, *plan.skipping, new_inner)
+    if spikes is None or verdict is None:
+      return out, _skip.counted(state, *plan.skipping, new_inner)
+    ok, consecutive = plan.skipping
+    take = jnp.asarray(plan.scalars.take)  # set: the plan had a SkipRule
+    return out, _spikes.counted(spikes, state, ok, verdict, take, consecutive, new_inner)
 
   return step
 
@@ -83,6 +92,7 @@ def build(
   grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
   grad_transform: Callable[[Any, Any], Any] | None = None,
+  skip_spikes: _spikes.SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation of a checked `config`, on `implementation`, behind the wrappers asked for.
 
@@ -94,6 +104,12 @@ def build(
   config = _check_args.check_config(config)
   _check_args.check_bool("skip_nonfinite", skip_nonfinite)
   _check_args.check_bool("master_weights", master_weights)
+  _spikes.check_rule("skip_spikes", skip_spikes)
+  if skip_spikes is not None and not skip_nonfinite:
+    raise ValueError(
+      "skip_spikes needs skip_nonfinite=True (the spike rule is part of the skip), got "
+      f"skip_nonfinite=False, skip_spikes={skip_spikes!r}"
+    )
   check_grad_scale(grad_scale)
   hyper = config.hyper._replace(
     learning_rate=_check_args.scalar_valued(config.hyper.learning_rate, "learning_rate"),
@@ -105,26 +121,28 @@ def build(
   # the state, the choice fused into its writes); on the chain of stages, the wrappers.
   fused = implementation != "reference"
   if fused:
-    lamb_step: Step = _fused_step(config, implementation, skip_nonfinite, master_weights)
+    lamb_step: Step = _fused_step(
+      config, implementation, skip_nonfinite, master_weights, skip_spikes
+    )
   else:
-    lamb_step = lambda g, s, p, *, apply: _reference.step(chain, g, s, p, apply=apply)
+    lamb_step = lambda g, s, p, *, apply, value=None: _reference.step(chain, g, s, p, apply=apply)
 
-  def step(grads: Any, state: Any, params: Any, *, apply: bool) -> tuple[Any, Any]:
+  def step(grads: Any, state: Any, params: Any, *, apply: bool, value: Any = None) -> tuple:
     if grad_transform is not None:
       grads = grad_transform(grads, params)
-    return lamb_step(grads, state, params, apply=apply)
+    return lamb_step(grads, state, params, apply=apply, value=value)
 
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple:
-    del extra_args
-    return step(updates, state, params, apply=False)
+    return step(updates, state, params, apply=False, value=extra_args.get("value"))
 
-  tx = optax.GradientTransformationExtraArgs(_init(chain, fused and master_weights,
-                                                   fused and skip_nonfinite), update_fn)  # fmt: skip
+  skipping = (fused and skip_nonfinite, skip_spikes)
+  tx = optax.GradientTransformationExtraArgs(_init(chain, fused and master_weights, skipping),
+                                             update_fn)  # fmt: skip
   if master_weights and not fused:
     tx = with_master_weights(tx)
   if skip_nonfinite and not fused:
     grads_ok = _plan.gradients_ok(config, master_weights)
-    tx = _skip.skipping(tx, config.per_leaf.axis_name, None, False, grads_ok)
+    tx = _skip.skipping(tx, config.per_leaf.axis_name, None, False, grads_ok, skip_spikes)
   # update_and_apply writes the new params in the last pass (on a backend); the chain of
   # stages falls back to update + apply_updates.
   fused_apply = (lambda g, s, p: step(g, s, p, apply=True)) if fused else None
@@ -132,8 +150,9 @@ def build(
   return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply)
 
 
-def _init(chain: optax.GradientTransformation, master: bool, skipping: bool) -> Callable:
-  """The init of the fused step's state: the chain's, inside lamb's own wrappers' states."""
+def _init(chain: optax.GradientTransformation, master: bool, skipping: tuple) -> Callable:
+  """The init of the fused step's state: the chain's, inside lamb's own wrappers' states
+  (`skipping`: whether the step skips, and its spike rule or None)."""
 
   def init(params: Any) -> Any:
     if not master:
@@ -141,7 +160,9 @@ def _init(chain: optax.GradientTransformation, master: bool, skipping: bool) -> 
     else:
       copy = master_copy(params)
       state = MasterWeightsState(copy, chain.init(copy))
-    return _skip.initial_state(state) if skipping else state
+    if not skipping[0]:
+      return state
+    return _skip.initial_state(state) if skipping[1] is None else _spikes.initial_state(state)
 
   return init
 
