@@ -330,6 +330,7 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
       "recipe study": study_summary(study),
     },
     os.path.join("docs", "memory.md"): {"memory": memory(results, full=True)},
+    os.path.join("docs", "benchmarks.md"): {"memory": memory(results, full=True)},
     os.path.join("docs", "recipe.md"): {
       "recipe study": study_report(study),
       "steps to target": steps_to_target(study, table=True),
