@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _explain
+from optax_lamb import _explain, _ratios
 from optax_lamb._options import is_axis_name
 from optax_lamb._quantize import QuantizedMoment
 
@@ -257,3 +257,25 @@ def find_states(opt_state: Any, state_type: type | tuple[type, ...], missing: st
   if not found:
     raise ValueError(missing)
   return found
+
+
+def _peak(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(max |g|, whether g holds a NaN), in one reduction: XLA:CPU hands a lone max to a library
+  that reads its input from memory, g's |.| written out first."""
+  axes = tuple(range(g.ndim))
+  init = (jnp.zeros((), g.dtype), jnp.zeros((), jnp.bool_))
+  combine = lambda a, b: (jnp.maximum(a[0], b[0]), jnp.logical_or(a[1], b[1]))
+  return jax.lax.reduce((jnp.abs(g), jnp.isnan(g)), init, combine, axes)
+
+
+def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list) -> jax.Array:
+  """Whether every gradient times the clip `factor` is finite and below its leaf's second
+  moment's `_leaf.overflow_threshold`: the largest |g| of each leaf, one reduction over the
+  gradients, agreed over the mapped axes (a NaN counts as too large)."""
+  bad = jnp.zeros((), jnp.int32)
+  for g, limit in zip(grads, thresholds, strict=True):
+    peak, nan = _peak(g)
+    if factor is not None:
+      peak = peak * factor
+    bad = bad + jnp.logical_or(nan, jnp.logical_not(peak < limit)).astype(jnp.int32)
+  return _ratios.psum_over_names(bad, names) == 0

@@ -29,6 +29,7 @@ a clamp of ||p||), or values that `optax_lamb._plan` folds into the existing one
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -277,3 +278,18 @@ def update(
       return kept(jnp.where(finite, new, p), p, s)
     return jnp.where(finite, u, jnp.zeros_like(u))
   return kept(jnp.asarray(p + u).astype(p.dtype), p, s) if apply else u
+
+
+def overflow_limits(nu_dtype: Any, nus: list) -> list[float]:
+  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
+  (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
+  if nu_dtype is not None and jnp.dtype(nu_dtype) == jnp.uint8:
+    nu_dtype = jnp.float32
+  return [overflow_threshold(nu_dtype or v.dtype) for v in nus]
+
+
+def overflow_threshold(dtype: Any) -> float:
+  """The largest |g| whose square, and so every second moment averaged from it, is finite when
+  stored in `dtype`: sqrt of its largest value (1.8e19 for float32 and bfloat16, 255.9 for
+  float16)."""
+  return math.sqrt(float(jnp.finfo(jnp.dtype(dtype)).max))

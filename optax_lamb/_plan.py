@@ -241,7 +241,7 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
   )
   skipping = None
   if rule is not None:
-    ok = _spikes.gradients_ok(gs, scalars.clip_factor, _spikes.overflow_limits(nu_dtype, vs), names)
+    ok = _checks.gradients_ok(gs, scalars.clip_factor, _leaf.overflow_limits(nu_dtype, vs), names)
     fine = ok if rule.verdict is None else _spikes.passes(ok, rule.verdict)
     consecutive, take = _skip.decide(fine, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)
@@ -263,8 +263,8 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
       factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
     dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
     nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
-    limits = _spikes.overflow_limits(config.options.nu_dtype, nus)
-    return _spikes.gradients_ok(leaves, factor, limits, names)
+    limits = _leaf.overflow_limits(config.options.nu_dtype, nus)
+    return _checks.gradients_ok(leaves, factor, limits, names)
 
   return ok
 

@@ -5,8 +5,7 @@ keeps a bias-corrected exponential moving average of the global gradient norm, a
 when one is passed to ``update`` as ``value=``, over the steps it accepted. After
 ``warmup_steps`` accepted steps it skips a step whose norm exceeds ``factor`` times its average
 (or whose loss exceeds ``loss_factor`` times its own); a skipped step leaves the averages as they
-were, like the rest of the state. Also the gradient checks of lamb's own skip (finite, and below
-the second moment's overflow threshold), which judge a step before it is taken.
+were, like the rest of the state.
 """
 
 from __future__ import annotations
@@ -52,6 +51,11 @@ class SpikeRule:
       the last 100 steps.
     loss_factor: the same for the loss (a finite number > 1); None takes ``factor``.
       The loss must be positive for the rule to mean anything.
+
+  Example:
+    >>> import optax_lamb
+    >>> print(optax_lamb.SpikeRule(factor=4.0, warmup_steps=50))
+    SpikeRule(factor=4.0, warmup_steps=50, decay=0.99, loss_factor=None)
   """
 
   factor: float = 6.0
@@ -87,6 +91,13 @@ class SkipSpikesState(NamedTuple):
   ``total`` and ``consecutive`` count every skipped step (non-finite or spike); ``spikes``
   the spikes among them; ``norm_steps`` / ``loss_steps`` the steps averaged so far into
   ``norm_average`` / ``loss_average`` (bias-corrected, float32).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), spikes=optax_lamb.SpikeRule())
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> print(type(state).__name__, int(state.spikes), int(state.norm_steps))
+    SkipSpikesState 0 0
   """
 
   total: jax.Array
@@ -101,7 +112,14 @@ class SkipSpikesState(NamedTuple):
 
 class SpikeStats(NamedTuple):
   """What :func:`spike_stats` reads: steps skipped as spikes, the running averages of the
-  gradient norm and of the loss, and how many steps each average holds (int32 and float32)."""
+  gradient norm and of the loss, and how many steps each average holds (int32 and float32).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), spikes=optax_lamb.SpikeRule())
+    >>> print(optax_lamb.spike_stats(tx.init({"w": jnp.ones(2)}))._fields)
+    ('skipped', 'norm_average', 'loss_average', 'norm_steps', 'loss_steps')
+  """
 
   skipped: jax.Array
   norm_average: jax.Array
@@ -115,43 +133,6 @@ def initial_state(inner_state: Any) -> SkipSpikesState:
   count = lambda: jnp.zeros([], jnp.int32)
   mean = lambda: jnp.zeros([], jnp.float32)
   return SkipSpikesState(count(), count(), inner_state, count(), count(), mean(), count(), mean())
-
-
-def overflow_limits(nu_dtype: Any, nus: list) -> list[float]:
-  """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
-  (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
-  if nu_dtype is not None and jnp.dtype(nu_dtype) == jnp.uint8:
-    nu_dtype = jnp.float32
-  return [overflow_threshold(nu_dtype or v.dtype) for v in nus]
-
-
-def overflow_threshold(dtype: Any) -> float:
-  """The largest |g| whose square, and so every second moment averaged from it, is finite when
-  stored in `dtype`: sqrt of its largest value (1.8e19 for float32 and bfloat16, 255.9 for
-  float16)."""
-  return float(np.sqrt(float(jnp.finfo(jnp.dtype(dtype)).max)))
-
-
-def _peak(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(max |g|, whether g holds a NaN), in one reduction: XLA:CPU hands a lone max to a library
-  that reads its input from memory, g's |.| written out first."""
-  axes = tuple(range(g.ndim))
-  init = (jnp.zeros((), g.dtype), jnp.zeros((), jnp.bool_))
-  combine = lambda a, b: (jnp.maximum(a[0], b[0]), jnp.logical_or(a[1], b[1]))
-  return jax.lax.reduce((jnp.abs(g), jnp.isnan(g)), init, combine, axes)
-
-
-def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list) -> jax.Array:
-  """Whether every gradient times the clip `factor` is finite and below its leaf's second
-  moment's `overflow_threshold`: the largest |g| of each leaf, one reduction over the
-  gradients, agreed over the mapped axes (a NaN counts as too large)."""
-  bad = jnp.zeros((), jnp.int32)
-  for g, limit in zip(grads, thresholds, strict=True):
-    peak, nan = _peak(g)
-    if factor is not None:
-      peak = peak * factor
-    bad = bad + jnp.logical_or(nan, jnp.logical_not(peak < limit)).astype(jnp.int32)
-  return _ratios.psum_over_names(bad, names) == 0
 
 
 class Verdict(NamedTuple):
@@ -283,6 +264,18 @@ def spike_stats(opt_state: Any) -> SpikeStats:
 
   Returns:
     :class:`SpikeStats` ``(skipped, norm_average, loss_average, norm_steps, loss_steps)``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lamb
+    >>> rule = optax_lamb.SpikeRule(factor=3.0, warmup_steps=2, decay=0.9)
+    >>> tx = optax_lamb.skip_nonfinite(optax.sgd(0.1), spikes=rule)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for g in (1.0, 1.2, 50.0):  # the third step's norm is a spike
+    ...   _, state = tx.update({"w": jnp.full(2, g)}, state, params)
+    >>> stats = optax_lamb.spike_stats(state)
+    >>> print(int(stats.skipped), int(stats.norm_steps), round(float(stats.norm_average), 2))
+    1 2 1.56
   """
   found = _checks.find_states(
     opt_state,
