@@ -13,6 +13,8 @@ from helpers.recipes import TINY_SWEEP
 from optax_lamb_recipes import budget, search
 from optax_lamb_recipes import budget_report as report
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 TINY_SEARCH = search.SearchConfig("tiny", dataclasses.replace(TINY_SWEEP, seeds=(0,)), 2, (0,), 2)
 TINY = budget.BudgetConfig("tiny", "", runs=((2, 0, (16, 32)), (2, 1, (16,), ("adamw",))))
 

@@ -8,6 +8,8 @@ pytest.importorskip("flax")
 
 from optax_lamb_recipes import divergence
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 
 def test_the_two_implementations_train_alike_on_the_ci_replay(tmp_path):
   out = str(tmp_path / "divergence.json")

@@ -10,6 +10,8 @@ pytest.importorskip("flax")
 
 from optax_lamb_recipes import plateau, search
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 
 def test_only_adamws_warmup_range_is_wider_than_the_searchs():
   assert plateau.SPACES["lamb"] == search.SPACES["lamb"]

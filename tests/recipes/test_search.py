@@ -14,6 +14,8 @@ from helpers.recipes import TINY_SWEEP
 from optax_lamb_recipes import presets, search, splits
 from optax_lamb_recipes import train as train_lib
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 TINY = search.SearchConfig("tiny", dataclasses.replace(TINY_SWEEP, seeds=(0,)), 2, (0, 1), group=1)
 
 

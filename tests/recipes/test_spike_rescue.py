@@ -9,6 +9,8 @@ pytest.importorskip("flax")
 
 from optax_lamb_recipes import divergence, spike_rescue
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 
 class Stop(Exception):
   pass

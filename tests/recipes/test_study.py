@@ -12,6 +12,8 @@ from helpers.recipes import TINY_SWEEP
 
 from optax_lamb_recipes import analysis, report, study, sweep
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 
 def test_bootstrap_means_are_the_resampled_tables_means():
   table = np.random.default_rng(3).normal(size=(4, 50))

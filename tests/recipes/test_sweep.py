@@ -12,6 +12,8 @@ from helpers.recipes import TINY_SWEEP as _TINY_SWEEP
 
 from optax_lamb_recipes import presets, report, splits, sweep
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 
 def _tuning_run(family, batch, factor, validation, test):
   return {

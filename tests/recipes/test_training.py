@@ -15,6 +15,8 @@ pytest.importorskip("flax")
 import optax_lamb
 from optax_lamb_recipes import data, model, presets, schedules, train
 
+pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+
 TINY = model.BertConfig(vocab_size=40, hidden=16, layers=1, heads=2, mlp=32, max_len=16)
 
 
