@@ -45,6 +45,13 @@ The runs are ordered so that the most informative come first: 1x, both batches a
 seeds (both arms of a seed and batch one after the other), then 4x seed by seed; a job stopped
 at the limit leaves the 1x comparison whole and the 4x one on the seeds it reached (the report
 says how many).
+
+Measured after the job started (2026-11-26, 2 CPUs, Intel Xeon, load average near 10, nice 15):
+1x seed 0, both batches and both arms (4 runs, compilation included) took 460 s of CPU and 512 s
+of wall time, the 8-bit runs 1.2x to 1.6x the float32 ones' wall time. At that rate the 20 runs at
+1x take about 40 min of CPU and the 20 at 4x about 2 h more: the whole grid, about 2.5 h of CPU,
+exceeds the issue's limit by about half an hour on this busy machine. If it must stop at 2 h, it
+stops within 4x (about seed 3); 1x comes first for that reason.
 """
 
 from __future__ import annotations
