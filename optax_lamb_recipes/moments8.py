@@ -49,9 +49,10 @@ says how many).
 Measured after the job started (2026-11-26, 2 CPUs, Intel Xeon, load average near 10, nice 15):
 1x seed 0, both batches and both arms (4 runs, compilation included) took 460 s of CPU and 512 s
 of wall time, the 8-bit runs 1.2x to 1.6x the float32 ones' wall time. At that rate the 20 runs at
-1x take about 40 min of CPU and the 20 at 4x about 2 h more: the whole grid, about 2.5 h of CPU,
-exceeds the issue's limit by about half an hour on this busy machine. If it must stop at 2 h, it
-stops within 4x (about seed 3); 1x comes first for that reason.
+1x take about 40 min of CPU and the 20 at 4x (each about 4x the steps) about 2 to 2.5 h more:
+the whole grid, about 3 h of CPU, exceeds the issue's limit by about an hour on this busy
+machine. Stopped at 2 h, it ends within 4x near seed 2 (three seeds, the fewest a verdict takes);
+1x comes first for that reason.
 """
 
 from __future__ import annotations
