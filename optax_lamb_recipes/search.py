@@ -120,15 +120,17 @@ def chosen(cfg: SearchConfig, runs: list[dict]) -> dict[tuple[str, int], int]:
 
 def train_trials(
   scfg: SweepConfig, seed: int, family: str, b: int, trials: dict, group: int, on_group,
-  keep_ratios: bool = False,
+  keep_ratios: bool = False, opt=None,
 ) -> None:  # fmt: skip
   """Train ``trials`` (index -> drawn settings) of ``family`` at batch ``b`` on ``seed``,
   ``group`` side by side; ``on_group(records)`` after each group (with the per-layer trust ratios
-  and relative steps where ``keep_ratios``)."""
+  and relative steps where ``keep_ratios``). ``opt``: the trainer's `train.OptimizerConfig`
+  (default: the recipe's), which the trials' searched settings replace."""
   from optax_lamb_recipes import train as train_lib
 
   train_data, val, test, _ = splits.load_data(scfg, seed)
-  trainer = train_lib.Trainer(scfg.model, micro=scfg.micro, seed=seed)
+  opt = opt or train_lib.OptimizerConfig()
+  trainer = train_lib.Trainer(scfg.model, opt=opt, micro=scfg.micro, seed=seed)
   idx_all = list(trials)
   for lo in range(0, len(idx_all), group):
     idx = idx_all[lo : lo + group]

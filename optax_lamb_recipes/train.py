@@ -54,6 +54,10 @@ class OptimizerConfig:
   max_grad_norm: float = 1.0
   # NVIDIA's recipe leaves the no-decay params (biases, LayerNorm) without a trust ratio.
   ratio_on_no_decay: bool = False
+  # LAMB's moment storage: None (the param's dtype), or "int8" / "uint8": 8-bit block-wise
+  # quantized (``optax_lamb.lamb``'s mu_dtype / nu_dtype; moments8.py)
+  mu_dtype: str | None = None
+  nu_dtype: str | None = None
 
 
 def make_optimizer(
@@ -84,10 +88,11 @@ def make_optimizer(
       mask=decay_mask,
       trust_ratio_mask=None if opt.ratio_on_no_decay else decay_mask,
       max_grad_norm=opt.max_grad_norm,
-      **lamb_options,
+      **({"mu_dtype": opt.mu_dtype, "nu_dtype": opt.nu_dtype} | lamb_options),
     )
-  elif family == "adamw" and lamb_options:
-    raise TypeError(f"options of lamb only, not of adamw: {sorted(lamb_options)}")
+  elif family == "adamw" and (lamb_options or opt.mu_dtype or opt.nu_dtype):
+    named = sorted(lamb_options) + [k for k in ("mu_dtype", "nu_dtype") if getattr(opt, k)]
+    raise TypeError(f"options of lamb only, not of adamw: {named}")
   elif family == "adamw":
     tx = optax.chain(
       optax.clip_by_global_norm(opt.max_grad_norm),
