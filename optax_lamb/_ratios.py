@@ -50,10 +50,12 @@ def sq_norm(x: jax.Array, stacked_axes: int = 0) -> jax.Array:
   return jnp.sum(squares(x), axis=tuple(range(stacked_axes, jnp.ndim(x))))
 
 
-# Blocks of a leaf's sums of squares: each sum's accumulator is about 1/PARTIALS of the leaf, the
-# only temporary of a step's norms (benchmarks/NOTES.md, "Memory"); rows stay long enough to
-# vectorise.
-PARTIALS = 1024
+# Blocks of a leaf's sums of squares: each block is summed along its contiguous row into one
+# partial sum, so a sum's only temporary is PARTIALS floats. Summing the blocks element by element
+# instead (an accumulator of 1/PARTIALS of the leaf) needed PARTIALS >= 512 for the memory budget
+# and made the BERT-base step 6x slower on XLA:CPU (benchmarks/NOTES.md, "Memory").
+PARTIALS = 16
+BLOCKED_FROM = 16 * 1024  # elements: a smaller leaf takes one plain sum per term
 
 
 def block_count(length: int, target: int) -> int | None:
@@ -79,9 +81,9 @@ def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
   Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count`
-  contiguous blocks (`block_count`); one reduction adds the blocks together element by
-  element for every sum at once (a vectorised loop that evaluates the inputs' producers,
-  e.g. the LAMB direction, once), then the block-sized partial sums are added up. Slices
+  contiguous blocks (`block_count`); one reduction sums each block along its row for every
+  sum at once (a loop that evaluates the inputs' producers, e.g. the LAMB direction, once),
+  then the `partial_count` partial sums are added up. Slices
   too short or that no such blocks divide take one reduction over the slice for all sums
   at once; `partial_count` 1, a plain reduction per sum (for inputs already in memory).
   """
@@ -101,21 +103,22 @@ def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int) -> t
 def _reduced(terms: tuple, stacked_axes: int, partial_count: int) -> tuple:
   """The terms' sums in one reduction, in blocks where they fit: XLA:CPU hands a lone sum to a
   library that reads its input from memory, and keeps the producer inside this one. A leaf
-  of under 16 blocks' worth: one plain sum per term (its library copies are small), which
+  under BLOCKED_FROM elements: one plain sum per term (its library copies are small), which
   XLA's partitioner splits over devices; it gathers the input of a reduction of several
   terms over a sharded axis, so a large leaf sharded there gathers its partial sums (blocks)
   or, with slices that no even blocks divide, its terms (docs/memory.md)."""
   shape = jnp.shape(terms[0])
   lead, length = shape[:stacked_axes], math.prod(shape[stacked_axes:])
   axes = tuple(range(stacked_axes, len(shape)))
-  if math.prod(shape) < 16 * partial_count:
+  if math.prod(shape) < max(16 * partial_count, BLOCKED_FROM):
     return tuple(jnp.sum(q, axis=axes) for q in terms)
   zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
-  blocks = block_count(length, partial_count) if length >= 16 * partial_count else None
+  big = length >= max(16 * partial_count, BLOCKED_FROM)
+  blocks = block_count(length, partial_count) if big else None
   if blocks is None:
     return tuple(jax.lax.reduce(terms, zeros, _add, axes))
   rows = tuple(jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms)
-  partials = jax.lax.reduce(rows, zeros, _add, (len(lead),))
+  partials = jax.lax.reduce(rows, zeros, _add, (len(lead) + 1,))
   return tuple(jnp.sum(q, axis=-1) for q in partials)
 
 
