@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
-# A GPU session (H100/H200) for the Pallas path: versions, the compiled tests, the step benchmark.
+# A GPU session (H100/H200): versions, the compiled tests, the step benchmark, in issue 30's order.
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [stages...]
+#   DRY_RUN=1 bash benchmarks/gpu_session.sh       # every stage on the CPU, tiny trees, tests collected
 #
-# Stages, in this order: versions pytest bench offload bench_many tuning pretrain. Default: versions
-# pytest bench offload, which fits one 10-minute call; bench_many (1,000 leaves: XLA alone compiles
-# such a step for about 2 minutes on an H100), tuning and pretrain each take a call of their own:
-#   call 1: bash benchmarks/gpu_session.sh            call 2: bash benchmarks/gpu_session.sh bench_many
-# Run from anywhere (it cd's to the repository root); needs no network. Everything a stage prints is
-# also teed into $OUT/<stage>.txt; the benchmark writes $OUT/gpu_<case>.json, the tuning
-# $OUT/tuning.json. Each stage has its own time limit; a stage that fails or times out does not stop
-# the next one (the exit status is the first failure's). Commit the JSON as
-# benchmarks/results/<device>.json (python -m benchmarks.step --json-auto names it). The pretrain
-# stage writes $OUT/pretrain_bench.json (tokens/s, MFU, optimizer share) and skips without a GPU.
+# Stages, in this order (each with its own time limit; a stage that fails or times out does not stop
+# the next, and the exit status is the first failure's):
+#   versions       the GPU, driver, jax, Triton
+#   tests_short    a short subset of the compiled kernels' tests (kernels, float64 reference, donation)
+#   bench_large    BERT-large: optax.lamb, auto (update + apply, update_and_apply), the XLA path, bf16
+#   bench_base     BERT-base: the same, without bf16
+#   bench_narrow   BERT-large: 8-bit moments and offload (both modes) beside float32
+#   tests_rest     the rest of the compiled tests and the dispatcher's
+#   bench_many     1,000 leaves of 1,000 (XLA alone compiles such a step for minutes): its own call
+#   tuning, pretrain  launch configurations; the pretrain command's tokens/s: calls of their own
+# Default: versions tests_short bench_large bench_base bench_narrow (about 7 minutes), then
+#   call 2: bash benchmarks/gpu_session.sh tests_rest [bench_many]
+# Everything a stage prints is teed into $OUT/<stage>.txt; the benchmarks write $OUT/gpu_<stage>.json
+# after each case. Commit the JSON under benchmarks/results/. Needs no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly.
-export JAX_PLATFORMS=cuda
-STAGES="${*:-versions pytest bench offload}"
+if [ -n "${DRY_RUN:-}" ]; then  # the same commands on the CPU: tiny trees, the tests only collected
+  export JAX_PLATFORMS=cpu
+  LARGE=bert-tiny BASE=bert-tiny MANY=30x1000 BENCH_FLAGS="--quick" NARROW_FLAGS="--quick"
+  PYTEST_FLAGS="--collect-only"
+else  # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly.
+  export JAX_PLATFORMS=cuda
+  LARGE=bert-large BASE=bert-base MANY=1000x1000 BENCH_FLAGS="--runs 5 --warmup 1 --e2e-steps 30"
+  NARROW_FLAGS="--runs 3 --warmup 1 --inner-steps 5 --e2e-steps 5"  # offload.host: the host's cores
+  PYTEST_FLAGS=""
+fi
+STAGES="${*:-versions tests_short bench_large bench_base bench_narrow}"
 status=0
 stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT/NAME.txt
   local name=$1 limit=$2
@@ -29,11 +42,11 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.txt"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.txt"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name exit $rc" | tee -a "$OUT/$name.txt"
+  echo "=== $name exit $rc ($(date -u +%H:%M:%S))" | tee -a "$OUT/$name.txt"
   if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
 }
 
-stage versions 60 bash -c '
+stage versions 45 bash -c '
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv || true
   python3 - <<EOF
 import importlib, platform, sys
@@ -47,22 +60,34 @@ import jax
 print("backend", jax.default_backend(), "devices", jax.devices())
 EOF'
 
-# The compiled kernels (TestPallasGPU) and the dispatcher; the interpreted twin runs in CPU CI.
-stage pytest 400 python3 -m pytest -q -rs -p no:cacheprovider --durations=8 -k "not Interpret" \
-  tests/backends/test_pallas_kernels.py tests/backends/test_conformance.py::TestPallasCompiled \
-  tests/backends/test_dispatch.py tests/integration/test_sharded_jit.py
-
-# What users see: device-only and end-to-end step time, buffers, kernels (benchmarks/step.py).
-IMPLS="optax.lamb optax_lamb.lamb update_and_apply xla.lamb optax_lamb.lamb-bf16"
+PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --durations=8 $PYTEST_FLAGS"
+COMPILED=tests/backends/test_conformance.py::TestPallasCompiled
+SHORT="TestKernelsCompiled or each_step_matches_the_float64 or donated_step or random_options"
 # shellcheck disable=SC2086
-stage bench 300 python3 -m benchmarks.step --cases bert-large bert-base --impls ${BENCH_IMPLS:-$IMPLS} \
-  --json "$OUT/gpu_bert.json"
-# The state in host memory (optax_lamb.offload), both modes beside the on-device step, and the
-# host-device link's bandwidth (a round trip to pinned_host memory) in the same run.
-stage offload 240 python3 -m benchmarks.step --cases bert-large \
-  --impls optax_lamb.lamb offload.device offload.host --json "$OUT/gpu_offload.json"
-stage bench_many 500 python3 -m benchmarks.step --cases 1000x1000 \
-  --impls optax.lamb optax_lamb.lamb update_and_apply --json "$OUT/gpu_many.json"
+stage tests_short 100 $PYTEST -k "$SHORT" tests/backends/test_pallas_kernels.py $COMPILED
+
+# What users see: device-only and end-to-end step time, buffers, kernels (benchmarks/step.py). The
+# XLA path beside the kernels decides `auto`'s rule (the kernels only where they are faster).
+MAIN="optax.lamb optax_lamb.lamb update_and_apply xla.lamb xla.apply"
+# shellcheck disable=SC2086
+stage bench_large 160 python3 -m benchmarks.step $BENCH_FLAGS --cases $LARGE \
+  --impls $MAIN optax_lamb.lamb-bf16 update_and_apply-bf16 --json "$OUT/gpu_bench_large.json"
+# shellcheck disable=SC2086
+stage bench_base 90 python3 -m benchmarks.step $BENCH_FLAGS --cases $BASE --impls $MAIN \
+  --json "$OUT/gpu_bench_base.json"
+# 8-bit moments and the state in host memory (both modes; the host link's bandwidth in the same run)
+# shellcheck disable=SC2086
+stage bench_narrow 110 python3 -m benchmarks.step $NARROW_FLAGS --cases $LARGE \
+  --impls optax_lamb.lamb optax_lamb.lamb-8bit offload.device offload.host \
+  --json "$OUT/gpu_bench_narrow.json"
+
+# shellcheck disable=SC2086
+stage tests_rest 300 $PYTEST -k "not Interpret and not ($SHORT)" \
+  tests/backends/test_pallas_kernels.py $COMPILED tests/backends/test_dispatch.py \
+  tests/integration/test_sharded_jit.py
+# shellcheck disable=SC2086
+stage bench_many 500 python3 -m benchmarks.step $BENCH_FLAGS --cases $MANY \
+  --impls optax.lamb optax_lamb.lamb update_and_apply xla.lamb --json "$OUT/gpu_bench_many.json"
 
 # Launch configurations of the Pallas path, device-only.
 stage tuning 500 python3 -m benchmarks.pallas_tuning --cases bert-large \

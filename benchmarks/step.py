@@ -133,9 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
     f"timing {list(cases)} x {settings.impls}, {settings.runs} runs after {settings.warmup} "
     f"warm-up; device: {settings.inner_steps} steps per call, e2e: {settings.e2e_steps} calls"
   )
+  path = reporting.results_path(args.quick) if args.json_auto else args.json
   for name, shapes in cases.items():
     report["cases"][name] = run_case(name, shapes, settings, bandwidth, reporting.log)
-  report.update(bandwidth.report_fields())
+    report.update(bandwidth.report_fields())
+    if path:  # as it goes: a run stopped at its time limit keeps the cases it finished
+      reporting.summarise(report)
+      reporting.write_json(report, path)
   if any(impl.startswith("offload") for impl in settings.impls):  # the link the offload uses
     report.update(host_link.measure((1 << 20) if args.quick else (64 << 20), settings.inner_steps))
     reporting.log(f"host link: {report['host_link_gbps']} GB/s (round trip, both ways counted)")
