@@ -8,14 +8,14 @@
 # the next, and the exit status is the first failure's):
 #   versions       the GPU, driver, jax, Triton
 #   tests_short    a short subset of the compiled kernels' tests (kernels, float64 reference, donation)
-#   bench_large    BERT-large: optax.lamb, auto (update + apply, update_and_apply), the XLA path, bf16
-#   bench_base     BERT-base: the same, without bf16
-#   bench_narrow   BERT-large: 8-bit moments and offload (both modes) beside float32
+#   bench_large    BERT-large: optax.lamb, auto (update + apply, update_and_apply), the XLA path
+#   bench_base     BERT-base: the same
+#   bench_narrow   BERT-large: bf16 and 8-bit moments, offload (both modes), beside float32
 #   tests_rest     the rest of the compiled tests and the dispatcher's
 #   bench_many     1,000 leaves of 1,000 (XLA alone compiles such a step for minutes): its own call
 #   tuning, pretrain  launch configurations; the pretrain command's tokens/s: calls of their own
-# Default: versions tests_short bench_large bench_base bench_narrow (about 7 minutes), then
-#   call 2: bash benchmarks/gpu_session.sh tests_rest [bench_many]
+# Default: versions tests_short bench_large (about 7 minutes on an H200); then, one call each:
+#   bash benchmarks/gpu_session.sh bench_base | bench_narrow | tests_rest | bench_many
 # Everything a stage prints is teed into $OUT/<stage>.txt; the benchmarks write $OUT/gpu_<stage>.json
 # after each case. Commit the JSON under benchmarks/results/. Needs no network.
 set -uo pipefail
@@ -33,7 +33,7 @@ else  # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explici
   NARROW_FLAGS="--runs 3 --warmup 1 --inner-steps 5 --e2e-steps 5"  # offload.host: the host's cores
   PYTEST_FLAGS=""
 fi
-STAGES="${*:-versions tests_short bench_large bench_base bench_narrow}"
+STAGES="${*:-versions tests_short bench_large}"
 status=0
 stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT/NAME.txt
   local name=$1 limit=$2
@@ -60,27 +60,29 @@ import jax
 print("backend", jax.default_backend(), "devices", jax.devices())
 EOF'
 
-PYTEST="python3 -m pytest -q -rs -p no:cacheprovider --durations=8 $PYTEST_FLAGS"
+# -n 0: under xdist the GPU machine's workers collected different tests (2026-11-26, H200).
+PYTEST="python3 -m pytest -q -rs -p no:cacheprovider -n 0 --durations=8 $PYTEST_FLAGS"
 COMPILED=tests/backends/test_conformance.py::TestPallasCompiled
 SHORT="TestKernelsCompiled or each_step_matches_the_float64 or donated_step or random_options"
 # shellcheck disable=SC2086
-stage tests_short 100 $PYTEST -k "$SHORT" tests/backends/test_pallas_kernels.py $COMPILED
+stage tests_short 120 $PYTEST -k "$SHORT" tests/backends/test_pallas_kernels.py $COMPILED
 
 # What users see: device-only and end-to-end step time, buffers, kernels (benchmarks/step.py). The
-# XLA path beside the kernels decides `auto`'s rule (the kernels only where they are faster).
-MAIN="optax.lamb optax_lamb.lamb update_and_apply xla.lamb xla.apply"
+# XLA path beside the kernels decides `auto`'s rule (the kernels only where they are faster). On an
+# H200 each BERT-large implementation compiles for 45-75 s (loop and step): four fit one stage.
+MAIN="${BENCH_IMPLS:-optax.lamb optax_lamb.lamb update_and_apply xla.lamb}"
 # shellcheck disable=SC2086
-stage bench_large 160 python3 -m benchmarks.step $BENCH_FLAGS --cases $LARGE \
-  --impls $MAIN optax_lamb.lamb-bf16 update_and_apply-bf16 --json "$OUT/gpu_bench_large.json"
+stage bench_large 330 python3 -m benchmarks.step $BENCH_FLAGS --cases $LARGE --impls $MAIN \
+  --json "$OUT/gpu_bench_large.json"
 # shellcheck disable=SC2086
-stage bench_base 90 python3 -m benchmarks.step $BENCH_FLAGS --cases $BASE --impls $MAIN \
+stage bench_base 200 python3 -m benchmarks.step $BENCH_FLAGS --cases $BASE --impls $MAIN \
   --json "$OUT/gpu_bench_base.json"
-# 8-bit moments and the state in host memory (both modes; the host link's bandwidth in the same run)
+# bfloat16 and 8-bit moments, and the state in host memory (both modes; the host link's bandwidth in
+# the same run), beside float32.
 # shellcheck disable=SC2086
-stage bench_narrow 110 python3 -m benchmarks.step $NARROW_FLAGS --cases $LARGE \
-  --impls optax_lamb.lamb optax_lamb.lamb-8bit offload.device offload.host \
+stage bench_narrow 400 python3 -m benchmarks.step $NARROW_FLAGS --cases $LARGE \
+  --impls optax_lamb.lamb optax_lamb.lamb-bf16 optax_lamb.lamb-8bit offload.device offload.host \
   --json "$OUT/gpu_bench_narrow.json"
-
 # shellcheck disable=SC2086
 stage tests_rest 300 $PYTEST -k "not Interpret and not ($SHORT)" \
   tests/backends/test_pallas_kernels.py $COMPILED tests/backends/test_dispatch.py \
