@@ -7,7 +7,9 @@ compat constructors, host offload) the step ``(params, state, grads) -> (params,
 jitted with params and state donated, lowered on abstract arrays (nothing is allocated) and
 compiled; XLA's ``memory_analysis()`` gives its temporaries. The state's bytes come from
 ``jax.eval_shape(tx.init, params)``, split by memory kind (device or host). Everything is per
-parameter and, for the temporaries, as a multiple of the params' bytes. The JSON
+parameter and, for the temporaries, as a multiple of the params' bytes. The norms' sums take
+the layout `auto` takes on accelerators ("rows", what this measures for), unless
+``--norm-blocks columns`` (the CPU's: one accumulator of 1/16 of each large leaf per norm). The JSON
 (`benchmarks/results/memory.json` by default) is what docs/benchmarks.md and the README render.
 """
 
@@ -33,6 +35,7 @@ import optax
 
 import optax_lamb
 from benchmarks import machine, trees
+from optax_lamb import _ratios
 
 LR = 1e-3
 DEFAULT_OUT = os.path.join("benchmarks", "results", "memory", "cpu-2core.json")
@@ -209,7 +212,12 @@ def main(argv: list[str] | None = None) -> dict:
     "--merge", action="store_true",
     help="add to (or replace in) the results already at --json; each entry keeps its commit",
   )  # fmt: skip
+  parser.add_argument(
+    "--norm-blocks", choices=["rows", "columns"], default="rows",
+    help="the norms' layout (optax_lamb._ratios.NORM_BLOCKS); rows: the accelerators' default",
+  )  # fmt: skip
   args = parser.parse_args(argv)
+  _ratios.NORM_BLOCKS = args.norm_blocks
   results: dict = {"trees": {}}
   if args.merge and os.path.exists(args.json):
     with open(args.json) as f:
@@ -221,7 +229,11 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = trees.NAMED_TREES[name]()
     measured = results["trees"].setdefault(name, {})
     for config in args.configurations:
-      measured[config] = {**measure(shapes, CONFIGURATIONS[config]), "commit": commit}
+      measured[config] = {
+        **measure(shapes, CONFIGURATIONS[config]),
+        "commit": commit,
+        "norm_blocks": args.norm_blocks,
+      }
       print(f"{name:10s} {config:40s} {measured[config]['temp_over_param_bytes']:.4f}x", flush=True)
       _write(results, args.json)  # as it goes: a stopped run keeps what it measured
   results["configurations"] = [

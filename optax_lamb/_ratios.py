@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +50,24 @@ def sq_norm(x: jax.Array, stacked_axes: int = 0) -> jax.Array:
   return jnp.sum(squares(x), axis=tuple(range(stacked_axes, jnp.ndim(x))))
 
 
-# Blocks of a leaf's sums of squares: each block is summed along its contiguous row into one
-# partial sum, so a sum's only temporary is PARTIALS floats. Summing the blocks element by element
-# instead (an accumulator of 1/PARTIALS of the leaf) needed PARTIALS >= 512 for the memory budget
-# and made the BERT-base step 6x slower on XLA:CPU (benchmarks/NOTES.md, "Memory").
+# Blocks of a leaf's sums of squares, in one of two layouts (benchmarks/NOTES.md, "Memory"):
+# - "rows": each block summed along its contiguous row into one partial sum, so a sum's only
+#   temporary is PARTIALS floats (what fits on an accelerator);
+# - "columns": the blocks added element by element into one block-sized accumulator per sum
+#   (2/PARTIALS of the leaf for the two norms), which XLA:CPU vectorises: the BERT-base step
+#   takes 1.3-1.5x longer on a 2-core CPU with rows.
+# "auto" takes columns on the CPU backend and rows elsewhere; tests and benchmarks set NORM_BLOCKS.
+NormBlocks = Literal["auto", "rows", "columns"]
+NORM_BLOCKS: NormBlocks = "auto"
 PARTIALS = 16
 BLOCKED_FROM = 16 * 1024  # elements: a smaller leaf takes one plain sum per term
+
+
+def column_blocks() -> bool:
+  """Whether large leaves' sums take the "columns" layout (see NORM_BLOCKS), at trace time."""
+  if NORM_BLOCKS == "auto":
+    return jax.default_backend() == "cpu"
+  return NORM_BLOCKS == "columns"
 
 
 def block_count(length: int, target: int) -> int | None:
@@ -88,19 +100,20 @@ def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
   at once; `partial_count` 1, a plain reduction per sum (for inputs already in memory).
   """
   terms = [squares(x, s) for x in xs for s in scales]
-  return _sums_of(terms, stacked_axes, partial_count)
+  return _sums_of(terms, stacked_axes, partial_count, column_blocks())
 
 
-def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int) -> tuple:
+def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int,
+             columns: bool = False) -> tuple:  # fmt: skip
   """Each term summed over all but its first `stacked_axes` axes (see `leaf_sq_sums`)."""
   if partial_count == 1:
     axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
     return tuple(jnp.sum(q, axis=axes) for q in terms)
-  return _reduced(tuple(terms), stacked_axes, partial_count)
+  return _reduced(tuple(terms), stacked_axes, partial_count, columns)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _reduced(terms: tuple, stacked_axes: int, partial_count: int) -> tuple:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool) -> tuple:
   """The terms' sums in one reduction, in blocks where they fit: XLA:CPU hands a lone sum to a
   library that reads its input from memory, and keeps the producer inside this one. A leaf
   under BLOCKED_FROM elements: one plain sum per term (its library copies are small), which
@@ -118,17 +131,18 @@ def _reduced(terms: tuple, stacked_axes: int, partial_count: int) -> tuple:
   if blocks is None:
     return tuple(jax.lax.reduce(terms, zeros, _add, axes))
   rows = tuple(jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms)
-  partials = jax.lax.reduce(rows, zeros, _add, (len(lead) + 1,))
+  partials = jax.lax.reduce(rows, zeros, _add, (len(lead) + (0 if columns else 1),))
   return tuple(jnp.sum(q, axis=-1) for q in partials)
 
 
 @_reduced.defjvp
-def _reduced_jvp(stacked_axes: int, partial_count: int, primals: tuple, tangents: tuple) -> tuple:
+def _reduced_jvp(stacked_axes: int, partial_count: int, columns: bool, primals: tuple,
+                 tangents: tuple) -> tuple:  # fmt: skip
   """Linear: the tangents' plain sums (transposable, unlike the blocked reduction)."""
   (terms,), (dterms,) = primals, tangents
   axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
   tangent_sums = tuple(jnp.sum(dq, axis=axes) for dq in dterms)
-  return _reduced(terms, stacked_axes, partial_count), tangent_sums
+  return _reduced(terms, stacked_axes, partial_count, columns), tangent_sums
 
 
 def rescue_scale(plain: jax.Array) -> jax.Array:
@@ -140,7 +154,8 @@ def rescue_scale(plain: jax.Array) -> jax.Array:
 def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.Array,
                    stacked_axes: int = 0) -> tuple[jax.Array, jax.Array]:  # fmt: skip
   """The rare path's sums of (p s_p)^2 and (u s_u)^2 (`rescue_scale` of the plain sums, one per
-  slice), in one reduction, u's computation inside it."""
+  slice), in one reduction, u's computation inside it; in rows (it almost never runs, and its
+  accumulators would be reserved beside the main ones)."""
   terms = [squares(p, p_scale), squares(u, u_scale)]
   return _sums_of(terms, stacked_axes, PARTIALS)
 

@@ -8,6 +8,10 @@ Two exceptions XLA:CPU leaves (docs/memory.md), each held to what it costs today
 regression beyond it still fails: moments stored narrower than float32, 8-bit ones included
 (XLA copies them), and
 timm's caution (XLA keeps the Adam direction and its sign mask in memory).
+
+The budget holds for the norms' "rows" layout, which `auto` takes on accelerators; on the CPU
+backend `auto` takes "columns" (faster on XLA:CPU, 2/PARTIALS of a large leaf for its two
+sums), held to that by its own test.
 """
 
 import math
@@ -19,7 +23,7 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb import compat
+from optax_lamb import _ratios, compat
 
 SHAPES = {
   "odd": (600, 500),  # 300,000: no power-of-two blocks
@@ -104,6 +108,31 @@ def _temporaries(tx, dtype=jnp.float32, fused=False) -> tuple[int, int]:
 
 def _budget(param_bytes: int) -> float:
   return 0.01 * param_bytes + 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def rows_layout(request, monkeypatch):
+  """The accelerators' layout of the norms' sums, unless a test asks for "auto"."""
+  if "auto_layout" not in request.keywords:
+    monkeypatch.setattr(_ratios, "NORM_BLOCKS", "rows")
+
+
+@pytest.mark.auto_layout
+@pytest.mark.parametrize("name", ["lamb", "skip, clip, stacked"])
+def test_on_the_cpu_the_column_layout_costs_two_accumulators_per_large_leaf(name):
+  """`auto` on the CPU: one accumulator of 1/PARTIALS of each large leaf per norm (two norms),
+  and more than the rows layout (so the check can fail)."""
+  assert _ratios.column_blocks()
+  temps, param_bytes = _temporaries(CONFIGURATIONS[name]())
+  assert temps <= 2 / _ratios.PARTIALS * param_bytes + _budget(param_bytes), temps / param_bytes
+  assert temps > _budget(param_bytes), temps / param_bytes
+
+
+@pytest.mark.auto_layout
+def test_auto_takes_rows_off_the_cpu(monkeypatch):
+  assert _ratios.column_blocks()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert not _ratios.column_blocks()
 
 
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
