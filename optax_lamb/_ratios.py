@@ -54,9 +54,8 @@ def sq_norm(x: jax.Array, stacked_axes: int = 0) -> jax.Array:
 # - "rows": each block summed along its contiguous row into one partial sum, so a sum's only
 #   temporary is PARTIALS floats (what fits on an accelerator);
 # - "columns": the blocks added element by element into one block-sized accumulator per sum
-#   (2/PARTIALS of the leaf for the two norms), which XLA:CPU vectorises: the BERT-base step
-#   takes 1.3-1.5x longer on a 2-core CPU with rows.
-# "auto" takes columns on the CPU backend and rows elsewhere; tests and benchmarks set NORM_BLOCKS.
+#   (2/PARTIALS of the leaf for the two norms), which XLA:CPU vectorises (rows: 1.3-1.5x slower).
+# "auto": columns on the CPU backend, rows elsewhere.
 NormBlocks = Literal["auto", "rows", "columns"]
 NORM_BLOCKS: NormBlocks = "auto"
 PARTIALS = 16

@@ -64,6 +64,15 @@ def rng(seed) -> np.random.Generator:
 _SEED = pytest.StashKey[int]()
 
 
+@pytest.fixture
+def rows_layout(monkeypatch) -> None:
+  """The norms' sums in the accelerators' layout (optax_lamb._ratios.NORM_BLOCKS = "rows"): what
+  the memory budget is for; the CPU backend's own takes 2/16 of a large leaf."""
+  from optax_lamb import _ratios
+
+  monkeypatch.setattr(_ratios, "NORM_BLOCKS", "rows")
+
+
 @pytest.fixture(autouse=True)
 def _margins_of_this_test(request):
   asserts.current_test = request.node.nodeid.split("[")[0]

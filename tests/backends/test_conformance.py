@@ -13,6 +13,7 @@ class TestXlaRecomputeU(Conformance):
   IMPLEMENTATION = "xla-recompute-u"
 
 
+@pytest.mark.slow  # the GPU kernels' logic in interpret mode: for their developers (CI runs it)
 class TestPallasInterpret(Conformance):
   IMPLEMENTATION = "pallas"
 

@@ -111,10 +111,11 @@ def _budget(param_bytes: int) -> float:
 
 
 @pytest.fixture(autouse=True)
-def rows_layout(request, monkeypatch):
-  """The accelerators' layout of the norms' sums, unless a test asks for "auto"."""
+def _rows_unless_auto(request):
+  """The accelerators' layout of the norms' sums (conftest's rows_layout), unless a test asks
+  for "auto"."""
   if "auto_layout" not in request.keywords:
-    monkeypatch.setattr(_ratios, "NORM_BLOCKS", "rows")
+    request.getfixturevalue("rows_layout")
 
 
 @pytest.mark.auto_layout

@@ -176,6 +176,7 @@ class TestKernelsCompiled:
     assert len(fusions) == 1, "\n".join(big)
 
 
+@pytest.mark.slow  # interpreted kernels: for their developers (CI runs them)
 class TestKernelsInterpret(TestKernelsCompiled):
   """The same tests in Pallas interpret mode (any backend; the CPU CI)."""
 
@@ -256,6 +257,7 @@ def test_kernels_lower_to_triton_for_cuda(fused_apply, seed):
   )
 
 
+@pytest.mark.slow  # 48 s interpreted; CI runs it
 def test_many_small_leaves_take_a_few_launches():
   """Many leaves: the kernels, and no per-leaf operation between them."""
   n = 500  # 16 launches per pass of 32 leaves

@@ -96,7 +96,12 @@ _LEARNING_RATE = {name: ("learning_rate" if "learning_rate" in n else "lr") for 
 _INJECTED += [(ctor, _LEARNING_RATE[ctor], "pallas") for ctor in NUMBERS]
 
 
-@pytest.mark.parametrize("ctor,arg,implementation", _INJECTED)
+def _slow_off_xla(cases: list[tuple]) -> list:
+  """The XLA path's cases run by default; the reference's and the kernels' with -m slow (CI)."""
+  return [pytest.param(*c, marks=() if c[-1] == "xla" else pytest.mark.slow) for c in cases]
+
+
+@pytest.mark.parametrize("ctor,arg,implementation", _slow_off_xla(_INJECTED))
 def test_compat_under_inject_hyperparams(ctor, arg, implementation):
   """Class 1: a compat constructor under optax.inject_hyperparams, one numeric argument given
   (all its numeric defaults become arrays too, traced under jit), equals the constructor built
@@ -143,7 +148,9 @@ _DECISION_CASES += [("torch_optimizer_lamb", {"clamp_value": 0.0}, "pallas")]
 
 
 @pytest.mark.parametrize(
-  "ctor,kwargs,implementation", _DECISION_CASES, ids=lambda x: str(x).replace(" ", "")
+  "ctor,kwargs,implementation",
+  _slow_off_xla(_DECISION_CASES),
+  ids=lambda x: str(x).replace(" ", ""),
 )
 def test_compat_decides_from_injected_values_at_each_step(ctor, kwargs, implementation):
   """Class 1, beyond the listed arguments: what a constructor decides from a number when built,

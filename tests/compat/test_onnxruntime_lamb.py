@@ -284,6 +284,7 @@ def test_do_update_under_inject_hyperparams():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.usefixtures("rows_layout")  # the budget holds for the accelerators' layout
 @pytest.mark.parametrize("max_norm_clip,copies", [(1.0, 4), (None, 3)])
 def test_memory_cost_of_the_per_element_rules_is_held(max_norm_clip, copies):
   """What a donated step costs on XLA:CPU today, held so that a regression still fails: the

@@ -249,6 +249,7 @@ def test_shard_map_agrees_the_norm_and_the_loss(rng):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
 
 
+@pytest.mark.usefixtures("rows_layout")  # the budget holds for the accelerators' layout
 def test_no_parameter_sized_temporary():
   """The spike test adds reductions of the gradients, no copy: a donated step's temporaries
   (XLA:CPU's memory_analysis) stay within 1% of the params (+64 KiB) of the same wrapper's
@@ -351,6 +352,7 @@ def test_lamb_skip_spikes_is_the_wrapper_fused(implementation, master, rng):
   assert_trees_close(p, p_wrapped, rtol=1e-6)
 
 
+@pytest.mark.usefixtures("rows_layout")  # the budget holds for the accelerators' layout
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 def test_lamb_skip_spikes_has_no_parameter_sized_temporary(max_grad_norm):
   """Fused into lamb's step, the spike rule keeps lamb's own skip's budget: 1% of the params
