@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import optax_lamb
+from optax_lamb._registry import AUTO_BASIS
 from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 
 LEAF = jax.ShapeDtypeStruct((64, 32), jnp.float32)
@@ -56,7 +57,10 @@ def test_auto_on_a_cpu_is_the_xla_path(caplog):
 
 
 def test_auto_on_one_gpu_is_the_kernels(on_a_gpu, one_device, caplog):
-  assert traced_path(caplog) == "optax_lamb.lamb: the pallas_triton path (first choice)"
+  assert (
+    traced_path(caplog)
+    == f"optax_lamb.lamb: the pallas_triton path ({AUTO_BASIS['pallas_triton']})"
+  )
 
 
 def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu, monkeypatch, caplog):
@@ -80,7 +84,7 @@ def test_auto_inside_shard_map_is_the_kernels(on_a_gpu, caplog):
   with caplog.at_level(logging.INFO, logger="optax_lamb"):
     jax.eval_shape(step, jax.ShapeDtypeStruct((8 * len(jax.devices()),), jnp.float32))
   assert [r.getMessage() for r in caplog.records] == [
-    "optax_lamb.lamb: the pallas_triton path (first choice)"
+    f"optax_lamb.lamb: the pallas_triton path ({AUTO_BASIS['pallas_triton']})"
   ]
 
 
@@ -138,7 +142,7 @@ def test_leaves_the_kernels_cannot_take(on_a_gpu, one_device, caplog, dtypes, ma
 def test_narrow_moments_are_taken_by_the_kernels(on_a_gpu, one_device, caplog):
   params = {"w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)}
   line = traced_path(caplog, params=params, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
-  assert line == "optax_lamb.lamb: the pallas_triton path (first choice)"
+  assert line == f"optax_lamb.lamb: the pallas_triton path ({AUTO_BASIS['pallas_triton']})"
 
 
 QUANTIZED = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}  # 16,384 elements: 8-bit
