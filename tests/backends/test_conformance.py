@@ -9,6 +9,7 @@ class TestXla(Conformance):
   IMPLEMENTATION = "xla"
 
 
+@pytest.mark.slow  # the XLA path's big-leaf pass 2 forced on every leaf: CI runs it
 class TestXlaRecomputeU(Conformance):
   IMPLEMENTATION = "xla-recompute-u"
 

@@ -58,7 +58,9 @@ def lamb(implementation="xla", **kwargs):
 
 
 @pytest.mark.parametrize("layout", ["whole-blocks", "straddling"])
-@pytest.mark.parametrize("implementation", ["xla", "reference"])
+@pytest.mark.parametrize(
+  "implementation", ["xla", pytest.param("reference", marks=pytest.mark.slow)]
+)
 def test_sharded_update_stores_the_single_device_codes(implementation, layout, rng):
   m, tx = mesh(), lamb(implementation)
   specs = SPECS if layout == "whole-blocks" else STRADDLING
