@@ -1,7 +1,8 @@
 """Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`), the
 recipe's claim study (`notebooks/results/study.json`), its random search (`search.json`), the
-searched settings trained longer (`budget.json`), the search past the plateau (`plateau.json`)
-and the replay of the diverged run (`divergence.json`).
+searched settings trained longer (`budget.json`), the search past the plateau (`plateau.json`),
+the replay of the diverged run (`divergence.json`) and 8-bit against float32 moments
+(`moments8.json`).
 
 The docs build writes `benchmark_tables` into the benchmarks page. The README, `docs/memory.md` and
 `docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
@@ -250,6 +251,13 @@ def plateau_summary(plateau_path: str, full: bool) -> str:
   )
 
 
+def moments8_summary(moments8_path: str) -> str:
+  """8-bit against float32 moments: the paired table, the findings and the compute."""
+  from optax_lamb_recipes import moments8
+
+  return moments8.format_report(_load(moments8_path))
+
+
 def divergence_summary(divergence_path: str) -> str:
   """The replay of the diverged run: its findings and where they come from."""
   from optax_lamb_recipes import divergence
@@ -359,6 +367,7 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
   longer = os.path.join(root, "notebooks", "results", "budget.json")
   past = os.path.join(root, "notebooks", "results", "plateau.json")
   replay = os.path.join(root, "notebooks", "results", "divergence.json")
+  quantized = os.path.join(root, "notebooks", "results", "moments8.json")
   return {
     "README.md": {
       "headline figures": headline(results),
@@ -377,6 +386,7 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
       "longer training": budget_summary(longer, full=True),
       "divergence": divergence_summary(replay),
       "past the plateau": plateau_summary(past, full=True),
+      "8-bit moments": moments8_summary(quantized),
     },
   }
 

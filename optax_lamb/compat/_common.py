@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,8 @@ import optax
 from optax_lamb import _check_args, _checks, _leaf, _ratios
 from optax_lamb._options import LambConfig
 from optax_lamb._transform import build
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def check_betas(name: str, betas: Any) -> tuple[Any, Any]:
@@ -147,6 +149,34 @@ def make(
 LAMB_OPTIONS = (
   "stacked_axes", "axis_name", "implementation", "skip_nonfinite", "grad_scale", "master_weights"
 )  # fmt: skip
+
+
+# The docstrings' shared parts, written once: a constructor's docstring holds a marker line that
+# `documented` replaces by the text (indented as in a function's docstring, Args at 4 spaces).
+_SHARED_DOC = {
+  "{torch_groups}": """\
+    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
+      (``None`` entries count as True) or a callable(params) returning one, like
+      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
+      ``weight_decay``, False where its group has weight decay 0. None: every leaf.""",
+  "{lamb_options_and_returns}": """\
+    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
+    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
+    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
+    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
+    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
+    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.""",
+}
+
+
+def documented(fn: F) -> F:
+  """`fn` with each marker line of its docstring (a key of `_SHARED_DOC`) replaced by its text."""
+  lines = (fn.__doc__ or "").split("\n")
+  fn.__doc__ = "\n".join(_SHARED_DOC.get(line.strip(), line) for line in lines)
+  return fn
 
 
 def lamb_options(arguments: dict) -> dict:

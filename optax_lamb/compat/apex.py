@@ -13,6 +13,7 @@ from optax_lamb.compat import _common
 _FLAGS = ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")  # the bool arguments
 
 
+@_common.documented
 def apex_fused_lamb(
   lr: Any = 1e-3,
   bias_correction: bool = True,
@@ -74,15 +75,7 @@ def apex_fused_lamb(
       :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
       ``weight_decay``, False where its group has weight decay 0. Such a leaf also gets no trust ratio unless ``use_nvlamb``, as in apex. None: every leaf.
     set_grad_none: accepted and ignored (apex zeroes torch gradient buffers with it).
-    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
-    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
-    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
-    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
-    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
-    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+    {lamb_options_and_returns}
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb

@@ -16,6 +16,7 @@ _FLAGS = ("eps_inside_sqrt", "bias_correction")  # the bool arguments
 DEEPSPEED_CLIP_EPS = 1e-6  # added to the gradient norm before it is compared with max_grad_norm
 
 
+@_common.documented
 def deepspeed_fused_lamb(
   lr: Any = 1e-3,
   bias_correction: bool = True,
@@ -76,19 +77,8 @@ def deepspeed_fused_lamb(
     max_coeff: upper clamp of the trust ratio (``inf``: none).
     min_coeff: lower clamp of the trust ratio.
     amsgrad: DeepSpeed refuses True (RuntimeError), and so does this.
-    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
-      (``None`` entries count as True) or a callable(params) returning one, like
-      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
-      ``weight_decay``, False where its group has weight decay 0. None: every leaf.
-    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
-    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
-    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
-    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
-    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
-    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+    {torch_groups}
+    {lamb_options_and_returns}
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb

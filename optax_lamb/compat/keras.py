@@ -11,6 +11,7 @@ from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
 
 
+@_common.documented
 def keras_lamb(
   learning_rate: Any = 0.001,
   beta_1: float = 0.9,
@@ -72,15 +73,7 @@ def keras_lamb(
     clipvalue: elementwise clip threshold.
     global_clipnorm: global-norm clip threshold. A clip threshold given as a scalar array
       (``optax.inject_hyperparams``) clips nothing at the steps where it is <= 0.
-    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
-    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
-    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
-    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
-    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
-    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+    {lamb_options_and_returns}
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb

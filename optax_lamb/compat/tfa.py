@@ -31,6 +31,7 @@ def _check_keyword(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be {what}, got {name}={value!r}")
 
 
+@_common.documented
 def tfa_lamb(
   learning_rate: Any = 0.001,
   beta_1: float = 0.9,
@@ -96,15 +97,7 @@ def tfa_lamb(
       stacked slice with ``stacked_axes`` (one layer's variable).
     clipvalue: elementwise clip threshold, >= 0.
     global_clipnorm: global-norm clip threshold, >= 0.
-    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
-    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
-    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
-    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
-    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
-    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+    {lamb_options_and_returns}
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb

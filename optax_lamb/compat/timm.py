@@ -28,6 +28,7 @@ def _timm_validate(name: str, value: Any, argument: str) -> None:
     raise ValueError(f"Invalid {name}: {value} ({argument}={value!r}; timm refuses < 0)")
 
 
+@_common.documented
 def timm_lamb(
   lr: Any = 1e-3,
   bias_correction: bool = True,
@@ -104,15 +105,7 @@ def timm_lamb(
     base_lr: eta_0 for ``corrected_weight_decay`` with a schedule as ``lr``, or with an
       ``lr`` that ``optax.inject_hyperparams`` changes during the run (without it, the
       injected lr of each step is its own base).
-    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
-    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
-    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
-    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
-    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
-    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+    {lamb_options_and_returns}
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb

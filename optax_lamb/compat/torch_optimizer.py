@@ -14,6 +14,7 @@ from optax_lamb.compat import _common
 _FLAGS = ("adam", "debias")  # the bool arguments
 
 
+@_common.documented
 def torch_optimizer_lamb(
   lr: Any = 1e-3,
   betas: tuple[float, float] = (0.9, 0.999),
@@ -53,19 +54,8 @@ def torch_optimizer_lamb(
     clamp_value: upper clamp of ||p|| in the ratio, >= 0 (``inf``: none), or a scalar array.
     adam: no trust ratio (r = 1 for every leaf).
     debias: multiply the step size by sqrt(1 - b2^t) / (1 - b1^t).
-    weight_decay_mask: torch's parameter groups, as a pytree prefix of bools
-      (``None`` entries count as True) or a callable(params) returning one, like
-      :func:`optax_lamb.lamb`'s ``mask``: True where the leaf's group has this
-      ``weight_decay``, False where its group has weight decay 0. None: every leaf.
-    stacked_axes: as in :func:`optax_lamb.lamb`: one trust ratio per stacked layer.
-    axis_name: as in :func:`optax_lamb.lamb`: the mapped axes the leaves are sharded over.
-    implementation: as in :func:`optax_lamb.lamb`: ``"auto"``, ``"xla"``, ``"pallas"``, ...
-    skip_nonfinite: as in :func:`optax_lamb.lamb`: skip a step with non-finite gradients.
-    grad_scale: as in :func:`optax_lamb.lamb`: the loss scale the gradients are divided by.
-    master_weights: as in :func:`optax_lamb.lamb`: float32 masters of low-precision params.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs` with ``lamb``'s state.
+    {torch_groups}
+    {lamb_options_and_returns}
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
