@@ -86,7 +86,7 @@ PRESETS = {
     os.path.join("notebooks", "results", "search.json"),
     runs=tuple((1, s, (16, 512)) for s in range(5)) + tuple((4, s, (16, 512)) for s in range(5)),
   ),
-  "ci": Moments8Config("ci", "", runs=((1, 0, (16, 64)), (1, 1, (16, 64)), (2, 0, (16,)))),
+  "ci": Moments8Config("ci", "", runs=((1, 0, (16,)), (1, 1, (16,)), (2, 0, (16,)))),
 }
 DEFAULT_OUT = {
   "claim": os.path.join("notebooks", "results", "moments8.json"),
@@ -237,7 +237,11 @@ def format_report(results: dict) -> str:
 # leaves are all smaller.
 _CI = search.PRESETS["ci"]
 CI_SEARCH = dataclasses.replace(
-  _CI, sweep=dataclasses.replace(_CI.sweep, model=dataclasses.replace(_CI.sweep.model, mlp=128))
+  _CI,
+  sweep=dataclasses.replace(_CI.sweep, model=dataclasses.replace(_CI.sweep.model, mlp=128)),
+  trials=1,  # the ci job trains batch 16 only, from one trial per optimizer on one seed
+  seeds=(0,),
+  batches=(16,),
 )
 
 
