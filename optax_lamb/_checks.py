@@ -278,4 +278,12 @@ def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list)
     if factor is not None:
       peak = peak * factor
     bad = bad + jnp.logical_or(nan, jnp.logical_not(peak < limit)).astype(jnp.int32)
-  return _ratios.psum_over_names(bad, names) == 0
+  return psum_over_names(bad, names) == 0
+
+
+def psum_over_names(bad: jax.Array, names: list) -> jax.Array:
+  """The count `bad` summed over every axis any leaf is sharded on: all devices decide alike."""
+  axes: set[str] = set()
+  for name in names:
+    axes.update((name,) if isinstance(name, str) else (name or ()))
+  return _ratios.psum_if(bad, tuple(sorted(axes)) or None)

@@ -205,7 +205,7 @@ class RatioLayout:
     if not ratios:  # a tree emptied by optax.masked
       return jnp.ones((0,), jnp.float32)
     dtype = jnp.promote_types(jnp.result_type(*ratios), jnp.float32)
-    return jnp.concatenate([jnp.reshape(_replicated(r), (-1,)).astype(dtype) for r in ratios])
+    return jnp.concatenate([jnp.reshape(replicated(r), (-1,)).astype(dtype) for r in ratios])
 
   def pieces(self, vector: jax.Array) -> list[jax.Array]:
     """The per-leaf ratios (in leaf order, stacked shapes); leading batch axes (pmap, vmap) kept."""
@@ -226,13 +226,13 @@ class RatioLayout:
     ]
 
 
-def _replicated(x: jax.Array) -> jax.Array:
-  """`x` replicated where its type says it is sharded (a mesh of Explicit axes: a stacked leaf's
-  ratios, and ``concatenate`` takes operands of one sharding only; the gather is ratio-sized)."""
+def replicated(x: jax.Array) -> jax.Array:
+  """`x` replicated where its type says it is sharded (a stacked leaf's ratios: ``concatenate``
+  takes operands of one sharding only; the gather is ratio-sized)."""
   sharding = jax.typeof(x).sharding
   if any(entry is not None for entry in getattr(sharding, "spec", ())):
-    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.sharding.reshard(x, replicated)
+    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.reshard(x, whole)
   return x
 
 

@@ -5,12 +5,10 @@ Squared norms are accumulated in float32 (at least). A float32 sum of squares
 overflows for elements near 1e19 and underflows for elements near 1e-19; the
 same sum of (x s)^2 for s = 2^-80 (`DOWN`) stays finite for every float32 x, and
 for s = 2^64 (`UP`) keeps every normal x's square normal. `norm_from_sums` takes
-the plain sum unless it is `suspect`, then the scaled one. The XLA step and the
-stages compute the scaled sums only then (under ``lax.cond``); the Pallas
-kernels, memory-bound on a GPU, sum all three in one pass (`block_sq_sums`).
-A leaf sharded inside ``shard_map``/``pmap`` has its sums ``psum``'d over its
-axis names before the square root, one ``psum`` per distinct name. A tree's
-ratios live in one vector (a slot per leaf or stacked slice), laid out by `RatioLayout`.
+the plain sum unless it is `suspect`, then the scaled one, computed only then (``lax.cond``)
+except by the Pallas kernels (memory-bound on a GPU: all three in one pass). A leaf sharded in
+``shard_map``/``pmap`` has its sums ``psum``'d over its axis names, one ``psum`` per name. A
+tree's ratios live in one vector (a slot per leaf or stacked slice), laid out by `RatioLayout`.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import numpy as np
 
 from optax_lamb import _leaf
 from optax_lamb._leaf import compute_dtype
-from optax_lamb._options import RatioLayout, StepScalars
+from optax_lamb._options import RatioLayout, StepScalars, replicated
 
 # Below this a float32 sum of squares may have lost terms to underflow (2^-100: about 8e-31).
 SMALL_SQUARED_NORM = 2.0**-100
@@ -71,10 +69,8 @@ def column_blocks() -> bool:
 
 def block_count(length: int, target: int) -> int | None:
   """A number of blocks near `target` that divides `length` into blocks of even length, or None:
-  a power of two if one does (a leaf sharded on its first axis then keeps whole blocks per
-  device). Uneven blocks (a tail) would give the inputs' producer two consumers, which XLA:CPU
-  would then write to memory.
-  """
+  a power of two if one does (a leaf sharded on its first axis keeps whole blocks per device).
+  Uneven blocks (a tail) would give the inputs' producer two consumers: XLA:CPU would store it."""
   even = lambda b: length % b == 0 and length // b % 2 == 0
   powers = [1 << k for k in range(target.bit_length() - 2, target.bit_length() + 1)]
   fits = [b for b in powers if even(b)] or [
@@ -91,13 +87,11 @@ def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
                  partial_count: int = PARTIALS) -> tuple[jax.Array, ...]:  # fmt: skip
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
-  Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count`
-  contiguous blocks (`block_count`); one reduction sums each block along its row for every
-  sum at once (a loop that evaluates the inputs' producers, e.g. the LAMB direction, once),
-  then the `partial_count` partial sums are added up. Slices
-  too short or that no such blocks divide take one reduction over the slice for all sums
-  at once; `partial_count` 1, a plain reduction per sum (for inputs already in memory).
-  """
+  Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count` blocks
+  (`block_count`); one reduction sums each block for every sum at once (a loop that evaluates the
+  inputs' producers, e.g. the LAMB direction, once), then the partial sums are added up. Slices
+  too short or that no such blocks divide take one reduction for all sums; `partial_count` 1, a
+  plain reduction per sum (for inputs already in memory)."""
   terms = [squares(x, s) for x in xs for s in scales]
   return _sums_of(terms, stacked_axes, partial_count, column_blocks())
 
@@ -113,12 +107,10 @@ def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int,
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool) -> tuple:
-  """The terms' sums in one reduction, in blocks where they fit: XLA:CPU hands a lone sum to a
-  library that reads its input from memory, and keeps the producer inside this one. A leaf
-  under BLOCKED_FROM elements: one plain sum per term (its library copies are small), which
-  XLA's partitioner splits over devices; it gathers the input of a reduction of several
-  terms over a sharded axis, so a large leaf sharded there gathers its partial sums (blocks)
-  or, with slices that no even blocks divide, its terms (docs/memory.md)."""
+  """The terms' sums in one reduction, in blocks where they fit (XLA:CPU hands a lone sum to a
+  library that reads its input from memory). A leaf under BLOCKED_FROM elements: a plain sum per
+  term, which XLA's partitioner splits over devices; it gathers the input of a many-term
+  reduction over a sharded axis: a large leaf sharded there gathers its blocks (docs/memory.md)."""
   shape = jnp.shape(terms[0])
   lead, length = shape[:stacked_axes], math.prod(shape[stacked_axes:])
   axes = tuple(range(stacked_axes, len(shape)))
@@ -145,39 +137,34 @@ def _reduced_jvp(stacked_axes: int, partial_count: int, columns: bool, primals: 
 
 
 def rescue_scale(plain: jax.Array) -> jax.Array:
-  """The scale of the sum that replaces a `suspect` plain one: `DOWN` where it overflowed, else
-  `UP`."""
+  """The scale of the sum replacing a `suspect` plain one: `DOWN` where it overflowed, else `UP`."""
   return jnp.where(jnp.isinf(plain), DOWN, UP).astype(plain.dtype)
 
 
 def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.Array,
                    stacked_axes: int = 0) -> tuple[jax.Array, jax.Array]:  # fmt: skip
-  """The rare path's sums of (p s_p)^2 and (u s_u)^2 (`rescue_scale` of the plain sums, one per
-  slice), in one reduction, u's computation inside it; in rows (it almost never runs, and its
-  accumulators would be reserved beside the main ones)."""
+  """The rare path's sums of (p s_p)^2 and (u s_u)^2 (s: `rescue_scale`, per slice), in one
+  reduction, in rows (it almost never runs: no accumulators reserved beside the main ones)."""
   terms = [squares(p, p_scale), squares(u, u_scale)]
   return _sums_of(terms, stacked_axes, PARTIALS)
 
 
 def safe_sqrt(sq: jax.Array) -> jax.Array:
-  """sqrt(sq), whose derivative stays finite where sq is 0 (the value there is 0): with a plain
-  sqrt the untaken zero-norm branch would make gradients through a step NaN. A NaN sum stays
-  NaN: a non-finite leaf is never read as a zero norm (the zero-norm rule's ratio 1)."""
+  """sqrt(sq) with a finite derivative at 0 (a plain sqrt's untaken zero-norm branch makes
+  gradients through a step NaN). A NaN sum stays NaN: never read as a zero norm (ratio 1)."""
   zero = sq == 0
   return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, jnp.ones_like(sq), sq)))
 
 
 def suspect(sq: jax.Array) -> jax.Array:
-  """Where a plain float32 sum of squares may be wrong: infinite, or small enough to have lost
-  terms to underflow."""
+  """Where a plain float32 sum of squares may be wrong: infinite, or small (terms underflowed)."""
   return jnp.logical_or(sq < SMALL_SQUARED_NORM, jnp.isinf(sq))
 
 
 def norm_from_sums(plain: jax.Array, scaled: jax.Array) -> jax.Array:
-  """||x|| from its plain sum of squares where it is right (`suspect` says where not), else from
-  its sum at `rescue_scale(plain)`; finite derivatives throughout. A NaN x has a NaN plain sum; a
-  scaled one NaN alone comes from XLA:CPU (jax 0.10.2) folding (x s)^2 into x^2 s^2 (0 inf) for
-  a one-element leaf, which then takes the plain sum's norm."""
+  """||x|| from its plain sum of squares where not `suspect`, else from its sum at
+  `rescue_scale(plain)`; finite derivatives. A scaled sum NaN alone (XLA:CPU, jax 0.10.2, folds
+  (x s)^2 into x^2 s^2, 0 inf, for a one-element leaf) takes the plain sum's norm."""
   rescued = safe_sqrt(scaled) / rescue_scale(plain)
   rescued = jnp.where(jnp.isnan(rescued), safe_sqrt(plain), rescued)
   return jnp.where(suspect(plain), rescued, safe_sqrt(plain))
@@ -210,13 +197,10 @@ def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.
 
 
 def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
-  """The norm of all `leaves` together (each psum'd over its axis names; one psum per name),
-  right for every finite input: the plain sum, rescaled only where it overflowed.
-
-  The rescue divides by max|x| (`scaled_norm`): the `DOWN`-scaled sums give the
-  same norm, but in this conditional they changed how XLA:CPU fuses the common
-  path around it (an update one ulp apart with and without donation)."""
-  totals: dict[Any, jax.Array] = {}
+  """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
+  every finite input: the plain sum, divided by max|x| only where it overflowed (`scaled_norm`;
+  the `DOWN` sums here changed XLA:CPU's fusion of the common path: one ulp, donation-dependent)."""
+  totals: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
   for x, name in zip(leaves, names, strict=True):
     totals[name] = totals.get(name, jnp.zeros((), jnp.float32)) + sq_norm(x)
   sq = sum((psum_if(t, name) for name, t in totals.items()), jnp.zeros((), jnp.float32))
@@ -233,11 +217,9 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
 def scaled_norm(x: jax.Array, stacked_axes: int = 0, axis_name: Any = None) -> jax.Array:
   """||x|| over all but the first `stacked_axes` axes, right for every finite x (no overflow,
   no underflow): max|x| sqrt(sum((x / max|x|)^2)), the max and sum taken over `axis_name` too."""
-  x = x.astype(compute_dtype(x.dtype))
-  axes = tuple(range(stacked_axes, x.ndim))
+  x, axes = x.astype(compute_dtype(x.dtype)), tuple(range(stacked_axes, x.ndim))
   peak = jnp.max(jnp.abs(x), axis=axes, initial=0.0)
-  if axis_name is not None:
-    peak = jax.lax.pmax(peak, axis_name)
+  peak = peak if axis_name is None else jax.lax.pmax(peak, axis_name)
   safe_peak = jnp.where(peak > 0, peak, jnp.ones_like(peak))
   scaled = x / jnp.reshape(safe_peak, safe_peak.shape + (1,) * len(axes))
   return safe_peak * safe_sqrt(psum_if(jnp.sum(jnp.square(scaled), axis=axes), axis_name))
@@ -247,8 +229,7 @@ def caution_fraction(u, g, stacked_axes: int = 0, axis_name: Any = None) -> jax.
   """max(mean([u g > 0]), 1e-3) per leaf (or stacked slice), float32: caution's rescaling, `u`
   the Adam direction, `g` the moments' gradient, counted on every shard of `axis_name`."""
   keep = _leaf.agrees(u, g).astype(jnp.float32)
-  # The kept and the dropped elements counted in one reduction, the count their sum: a lone
-  # sum goes to an XLA:CPU library that would read u's computation from memory.
+  # Kept and dropped counted in one reduction (a lone sum: an XLA:CPU library that reads u).
   sums = _sums_of([keep, 1 - keep], stacked_axes, PARTIALS)
   kept, count = (psum_if(x, axis_name) for x in (sums[0], sums[0] + sums[1]))
   return jnp.maximum(kept / count, _leaf.CAUTION_MIN_FRACTION)
@@ -262,21 +243,48 @@ class SlotSums(NamedTuple):
   scaled: tuple[jax.Array, ...] | None = None
 
 
-def slot_sums(layout: RatioLayout, names: Sequence[Any], param_sq: Sequence[jax.Array],
-              update_sq: Sequence[jax.Array]) -> SlotSums:  # fmt: skip
-  """The slot vectors from per-leaf plain sums (stacked shapes), each summed over its leaf's
-  `names` (one psum per distinct name, before the leaves are joined: replicated leaves stay so)."""
-  n = len(param_sq)
-  summed = psum_by_name([*param_sq, *update_sq], [*names, *names])
-  return SlotSums(layout.join(summed[:n]), layout.join(summed[n:]))
+def _joined(layout: RatioLayout, names: Sequence[Any], lists: Sequence[Sequence[Any]],
+            rows: Sequence, row_sums: Sequence[Sequence[jax.Array]]) -> list[Any]:  # fmt: skip
+  """Each list of per-leaf sums (stacked shapes) as a slot vector, each piece psum'd over its
+  leaf's `names` (one psum per name: replicated leaves stay so). Without names, `rows` (per group,
+  its leaves' (index, stacked shape)) and their `row_sums` (per group, per list) stand for those
+  leaves' pieces (None)."""
+  members = [m for group in rows for m in group]
+  if not members:
+    n = len(names)
+    flat = psum_by_name([x for sums in lists for x in sums], list(names) * len(lists))
+    return [layout.join(flat[i * n : (i + 1) * n]) for i in range(len(lists))]
+  # No psum: each vector is one concatenation, reordered (one gather), not a piece per leaf.
+  others = [i for i in range(len(names)) if i not in {j for j, _ in members}]
+  order = [i for i, _ in members] + others
+  where = np.argsort(np.concatenate([np.arange(*layout.offsets[i : i + 2]) for i in order]))
+  out = []
+  for k, pieces in enumerate(lists):
+    parts = [group[k] for group in row_sums] + [jnp.ravel(replicated(pieces[i])) for i in others]
+    joined = jnp.concatenate(parts).astype(jnp.promote_types(parts[0].dtype, jnp.float32))
+    out.append(joined[where])
+  return out
+
+
+def slot_sums(layout: RatioLayout, names: Sequence[Any], param_sq: Sequence[jax.Array | None],
+              update_sq: Sequence[jax.Array | None], rows: Sequence = (),
+              row_sums: Sequence = ()) -> SlotSums:  # fmt: skip
+  """The slot vectors from per-leaf plain sums (`rows`, `row_sums`: `_joined`)."""
+  param, update = _joined(layout, names, [param_sq, update_sq], rows, row_sums)
+  return SlotSums(param, update)
 
 
 def with_scaled_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[Any],
-                     p_scaled: Sequence[jax.Array], u_scaled: Sequence[jax.Array]) -> SlotSums:  # fmt: skip
+                     p_scaled: Sequence[jax.Array | None], u_scaled: Sequence[jax.Array | None],
+                     rows: Sequence = (), row_sums: Sequence = ()) -> SlotSums:  # fmt: skip
   """`sums` with the per-leaf sums at `rescue_scale` (stacked shapes), summed alike."""
-  n = len(names)
-  flat = psum_by_name([*p_scaled, *u_scaled], list(names) * 2)
-  return sums._replace(scaled=(layout.join(flat[:n]), layout.join(flat[n:])))
+  joined = _joined(layout, names, [p_scaled, u_scaled], rows, row_sums)
+  return sums._replace(scaled=tuple(joined))
+
+
+def chosen_scaled(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
+  """Of a sum's values at `DOWN` and `UP`, the one at `rescue_scale(plain)`."""
+  return jnp.where(jnp.isinf(plain), down, up)
 
 
 def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax.Array:
@@ -290,11 +298,3 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax
   ratio = _leaf.trust_ratio(*norms, s)
   gate = True if s.adapt_gate is None else s.adapt_gate != 0  # apex, timm: wd 0, no ratio
   return jnp.where(jnp.logical_and(np.asarray(adapted, bool), gate), ratio, jnp.ones_like(ratio))
-
-
-def psum_over_names(bad: jax.Array, names: list) -> jax.Array:
-  """The count `bad` summed over every axis any leaf is sharded on: all devices decide alike."""
-  axes: set[str] = set()
-  for name in names:
-    axes.update((name,) if isinstance(name, str) else (name or ()))
-  return psum_if(bad, tuple(sorted(axes)) or None)

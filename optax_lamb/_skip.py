@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _explain, _loss_scale, _nnx, _ratios, _spikes
+from optax_lamb import _check_args, _checks, _explain, _loss_scale, _nnx, _spikes
 from optax_lamb._spikes import SkipSpikesState, SpikeRule
 
 
@@ -65,7 +65,7 @@ def all_finite(tree: Any, axis_name: Any = None, names_of: Any = None) -> jax.Ar
     (jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in jax.tree.leaves(tree)),
     jnp.zeros((), jnp.int32),
   )
-  return _ratios.psum_over_names(bad, names) == 0
+  return _checks.psum_over_names(bad, names) == 0
 
 
 def decide(ok: jax.Array, consecutive: jax.Array, max_errors: int | None) -> tuple:

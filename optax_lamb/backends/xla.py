@@ -1,39 +1,36 @@
-"""The fused XLA backend: two passes over memory per leaf instead of a chain of stages.
+"""The fused XLA backend: two passes over memory per leaf instead of a chain of stages (which
+XLA would give several param-sized intermediates, reading each leaf many times). Per leaf:
 
-The stage chain (clip, Adam, decay, trust ratio, learning rate) computes the
-same values but XLA materialises several param-sized intermediates for it and
-reads each leaf many times. Here, per leaf:
-
-* pass 1 (reads g, m, v, p; writes m, v in place) updates the moments and
-  yields the two squared norms ||p||^2 and ||u||^2 from one reduction;
+* pass 1 (reads g, m, v, p; writes m, v in place) updates the moments and yields the two
+  squared norms ||p||^2 and ||u||^2 from one reduction;
 * the ratios of all leaves, from the two squared-norm vectors (`_ratios.ratio_vector`; where a
-  plain sum over- or underflowed, from its scaled sums, computed only then, under ``lax.cond``);
-* pass 2 (reads p, m, v; writes p or the updates in place) recomputes the
-  direction u from the new moments with the identical expressions, so the
-  values are bit-identical to pass 1's, and applies the trust ratio and the
-  learning rate.
+  plain sum over- or underflowed, from its scaled sums, computed only then, under ``lax.cond``,
+  whose operands are kept few: XLA:CPU spends about 1 us a call on each);
+* pass 2 (reads p, m, v; writes p or the updates in place) recomputes u from the new moments
+  with the identical expressions (bit-identical to pass 1's) and applies ratio and learning rate.
 
-An `optimization_barrier` between the passes stops XLA from merging the two
-computations of u (which would materialise u, a param-sized temporary). When
-the moments are stored in a narrower dtype than they are computed in, pass 2
-recomputes them from the old moments instead, so u never sees the rounding.
-
-The smallest leaves, up to `materialize_u_max_size` elements in all, compute u
-once and keep it between the norm and the update instead (recomputing costs more
-than it saves there); every kept u is alive until the ratios are known, so the
-total is what bounds the step's temporaries. Leaves without layer adaptation need no norm
-and take one pass. Every formula is `optax_lamb._leaf`'s, every norm `optax_lamb._ratios`'.
+An `optimization_barrier` between the passes stops XLA from merging the two computations of u
+(which would materialise u). Moments stored narrower than computed: pass 2 recomputes them from
+the old ones, so u never sees the rounding. The smallest leaves, up to `materialize_u_max_size`
+elements in all, keep u between the norm and the update (the total bounds the step's
+temporaries); their sums come from their slices gathered in zero-padded rows (`slice_rows`): on
+XLA:CPU every reduction costs about 2 us a call, most of a small tree's step. Leaves without
+layer adaptation take one pass. Every formula is `_leaf`'s, every norm `_ratios`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_lamb import _leaf, _ratios
+from optax_lamb._options import RatioLayout
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
@@ -45,6 +42,10 @@ class XlaBackend:
     materialize_u_max_size: the smallest leaves, up to this many elements in all
       (4K: 16 KiB of float32), keep u in memory between the norm and the update;
       the others recompute it.
+    small_leaf_rows: whether those leaves' sums come from their slices gathered in
+      zero-padded rows (one reduction per row width, not two per leaf: faster on
+      XLA:CPU). None: where the process has one device and no mesh is set (with
+      several, the rows would gather leaves sharded over them).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
@@ -60,6 +61,7 @@ class XlaBackend:
   name = "xla"
   differentiable = True  # plain jnp: jax differentiates it
   materialize_u_max_size: int = 1 << 12
+  small_leaf_rows: bool | None = None
 
   def auto_reason(self) -> str | None:
     return None
@@ -77,26 +79,18 @@ class XlaBackend:
     firsts = [
       _pass1(plan, leaf, x, leaf.index in kept) for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
-    names, adapted = plan.leaf_names, plan.adapted_slots
-    sums = _ratios.slot_sums(plan.layout, names, [f.p_sq for f in firsts], [f.u_sq for f in firsts])
-
-    def rescued() -> jax.Array:  # a plain sum over- or underflowed: the scaled sums, only then
-      p_scales, u_scales = (plan.layout.pieces(_ratios.rescue_scale(x)) for x in sums[:2])
-      scaled = [
-        _scaled_sums(plan, leaf, x, f, p_scale, u_scale)
-        for leaf, x, f, p_scale, u_scale in zip(
-          plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
-        )
-      ]
-      p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
-      exact = _ratios.with_scaled_sums(sums, plan.layout, names, p_scaled, u_scaled)
-      return _ratios.ratio_vector(exact, plan.scalars, adapted)
-
-    ratios = jax.lax.cond(
-      _ratios.needs_rescue(sums.param, sums.update, adapted),
-      rescued,
-      lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
-    )
+    rows_on = self.small_leaf_rows
+    if rows_on is None:  # with several devices, rows would gather leaves sharded over them
+      rows_on = jax.device_count() == 1 and jax.sharding.get_abstract_mesh().empty
+    rows_on = rows_on and all(name is None for name in plan.leaf_names)  # psums per leaf
+    small = {i: (firsts[i].p, firsts[i].u) for i in kept if plan.leaves[i].adapt and rows_on}
+    rows = slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
+    for i in kept - small.keys():
+      if plan.leaves[i].adapt:
+        p_u = (firsts[i].p, firsts[i].u)
+        sums = _ratios.leaf_sq_sums(*p_u, stacked_axes=plan.leaves[i].stacked_axes)  # type: ignore[arg-type]
+        firsts[i] = firsts[i]._replace(p_sq=sums[0], u_sq=sums[1])
+    ratios = _ratios_of(plan, leaves, firsts, rows)
     seconds = [
       _pass2(plan, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(
@@ -107,15 +101,63 @@ class XlaBackend:
     return StepResult(out, mu, nu, ratios)
 
 
+class SliceRows(NamedTuple):
+  """Small leaves' slices as zero-padded rows, one group per padded width (`slice_rows`)."""
+
+  groups: tuple[tuple[jax.Array, ...], ...]  # per group, per input: [rows, width]
+  members: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # (leaf, stacked shape) per group
+
+
+def slice_rows(xs: dict[int, Any], stacked_axes: dict[int, int]) -> SliceRows:
+  """The slices of small leaves (leaf position: its inputs) as rows in the compute dtype,
+  zero-padded to a power-of-two width, one group per width: XLA:CPU spends about 2 us a call on
+  every reduction, so twenty small leaves take one per width, not one per leaf and input."""
+  by_width: dict[int, list[int]] = {}
+  for i, arrays in xs.items():
+    length = math.prod(jnp.shape(arrays[0])[stacked_axes[i] :])
+    by_width.setdefault(1 << max(length - 1, 0).bit_length(), []).append(i)
+  groups, members = [], []
+  for width, idx in sorted(by_width.items()):
+    padded = [
+      [_padded_rows(xs[i][a], stacked_axes[i], width) for i in idx] for a in range(len(xs[idx[0]]))
+    ]
+    groups.append(tuple(jnp.concatenate(rows) for rows in padded))
+    members.append(tuple((i, tuple(jnp.shape(xs[i][0])[: stacked_axes[i]])) for i in idx))
+  return SliceRows(tuple(groups), tuple(members))
+
+
+def _padded_rows(x: jax.Array, k: int, width: int) -> jax.Array:
+  shape = (math.prod(x.shape[:k]), math.prod(x.shape[k:]))
+  rows = jnp.reshape(x.astype(_leaf.compute_dtype(x.dtype)), shape)
+  return jnp.pad(rows, ((0, 0), (0, width - shape[1])))
+
+
+def rows_sq_sums(rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax.Array] = ()
+                 ) -> tuple[tuple[jax.Array, ...], ...]:  # fmt: skip
+  """Per group, per input, the sums of (x s)^2 over each row: `s` the row's slot's entry of that
+  input's `slot_scales` vector, or 1."""
+  out = []
+  for arrays, members in zip(rows.groups, rows.members, strict=True):
+    slots = np.concatenate(
+      [np.arange(layout.offsets[i], layout.offsets[i + 1]) for i, _ in members]
+    )
+    scales: list = [x[slots] for x in slot_scales] or [1.0] * len(arrays)
+    out.append(
+      tuple(jnp.sum(_ratios.squares(a, s), axis=1) for a, s in zip(arrays, scales, strict=True))
+    )
+  return tuple(out)
+
+
 class _Pass1(NamedTuple):
   m: jax.Array  # the new moments as stored
   v: jax.Array
   m_c: jax.Array  # and in the compute dtype
   v_c: jax.Array
-  p_sq: jax.Array  # squared norms per slice (zeros where the leaf does not adapt)
-  u_sq: jax.Array
+  p_sq: jax.Array | None  # squared norms per slice (zeros where the leaf does not adapt; None
+  u_sq: jax.Array | None  # where u is kept: the sums come from the rows)
   u: jax.Array | None  # kept for the update (small leaves), else recomputed in pass 2
   kept: jax.Array | None  # caution's kept fraction per slice (None without caution)
+  p: jax.Array | None = None  # the params the norm is of, where u is kept (the sums come later)
 
 
 def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> jax.Array:
@@ -127,12 +169,12 @@ def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> 
 
 def _smallest_within(leaves: tuple[LeafPlan, ...], total: int) -> set[int]:
   """The indices of the smallest leaves whose sizes add up to at most `total`."""
-  chosen, used = set(), 0
+  chosen: set[int] = set()
+  used = 0
   for leaf in sorted(leaves, key=lambda leaf: leaf.size):
     if used + leaf.size > total:
       break
-    chosen.add(leaf.index)
-    used += leaf.size
+    chosen, used = chosen | {leaf.index}, used + leaf.size
   return chosen
 
 
@@ -155,12 +197,44 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool) -> _Pass
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
-  if keep_u:
-    # Small leaf: computing u once and keeping it (in cache) beats computing it twice.
-    p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1)
-    return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u, kept)
+  if keep_u:  # small leaf: computing u once and keeping it (in cache) beats computing it twice
+    return _Pass1(m, v, m_c, v_c, None, None, u, kept, p)
   p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k)
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
+
+
+def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
+               rows: SliceRows) -> jax.Array:  # fmt: skip
+  """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales, computed
+  only then from few operands: the small leaves' rows, the others' new moments and params."""
+  names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
+  in_rows = {i for group in rows.members for i, _ in group}
+  p_sq, u_sq = ([None if i in in_rows else x for i, x in enumerate(xs)] for xs in
+                ([f.p_sq for f in firsts], [f.u_sq for f in firsts]))  # fmt: skip
+  row_sums = rows_sq_sums(rows, layout)
+  sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, row_sums)
+
+  def rescued() -> jax.Array:
+    slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]
+    p_scales, u_scales = (layout.pieces(x) for x in slot_scales)
+    scaled = [
+      (None, None) if leaf.index in in_rows else _scaled_sums(plan, leaf, x, f, p_scale, u_scale)
+      for leaf, x, f, p_scale, u_scale in zip(
+        plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
+      )
+    ]
+    p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
+    scaled_rows = rows_sq_sums(rows, layout, slot_scales)
+    exact = _ratios.with_scaled_sums(
+      sums, layout, names, p_scaled, u_scaled, rows.members, scaled_rows
+    )
+    return _ratios.ratio_vector(exact, plan.scalars, adapted)
+
+  return jax.lax.cond(
+    _ratios.needs_rescue(sums.param, sums.update, adapted),
+    rescued,
+    lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
+  )
 
 
 def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale,
@@ -170,16 +244,18 @@ def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p
   k = leaf.stacked_axes
   if not leaf.adapt:
     return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 2
-  # Computed here from the branch's own operands: shared with pass 1, XLA would compute them
-  # outside the branch and keep them in memory for it (the shrunk params, "params" placement).
-  x, first = jax.lax.optimization_barrier((x, first))
-  u = first.u
-  if u is None and leaf.narrow_moments:  # from the old moments, which pass 2 overwrites later
-    m_c, v_c = _leaf.moments(x.g, x.m, x.v, plan.options, plan.scalars, p=x.p, decay=leaf.decay)
-    u = _direction(plan, leaf, x, m_c, v_c, x.p, first.kept)
-  elif u is None:  # the new moments as stored are the computed ones: no copy for the branch
-    u = _direction(plan, leaf, x, first.m, first.v, x.p, first.kept)
-  p = _leaf.ratio_params(x.p, plan.options, plan.scalars, decay=leaf.decay)
+  o, s = plan.options, plan.scalars
+  # From the branch's own operands, only those u needs (the conditional costs per operand):
+  # shared with pass 1, XLA would compute them outside the branch and keep them in memory.
+  if leaf.narrow_moments:  # from the old moments, which pass 2 overwrites later
+    x, kept = jax.lax.optimization_barrier((x, first.kept))
+    m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+  else:  # the new moments as stored are the computed ones: no copy for the branch
+    g = x.g if o.caution else None
+    m_c, v_c, p, g, kept = jax.lax.optimization_barrier((first.m, first.v, x.p, g, first.kept))
+    x = x._replace(p=p, g=x.g if g is None else g)
+  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
+  p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k)
 
 

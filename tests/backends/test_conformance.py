@@ -9,9 +9,13 @@ class TestXla(Conformance):
   IMPLEMENTATION = "xla"
 
 
-@pytest.mark.slow  # the XLA path's big-leaf pass 2 forced on every leaf: CI runs it
-class TestXlaRecomputeU(Conformance):
-  IMPLEMENTATION = "xla-recompute-u"
+class TestXlaOneDevice(Conformance):  # as shipped to a process of one device
+  IMPLEMENTATION = "xla-one-device"
+
+
+@pytest.mark.slow  # the XLA path of large trees forced on every tree: CI runs it
+class TestXlaLargeTree(Conformance):
+  IMPLEMENTATION = "xla-large-tree"
 
 
 @pytest.mark.slow  # the GPU kernels' logic in interpret mode: for their developers (CI runs it)

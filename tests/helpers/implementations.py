@@ -2,9 +2,13 @@
 
 `IMPLEMENTATIONS` names the configurations the tests run:
 
-- ``"xla"``: the fused XLA path as shipped;
-- ``"xla-recompute-u"``: the XLA path recomputing u in its second pass for every
-  leaf, however small (shipped only for big leaves);
+- ``"xla"``: the fused XLA path as shipped (in the tests' process of eight
+  devices: every leaf's norm sums its own);
+- ``"xla-one-device"``: the XLA path as shipped to a process of one device (the
+  small leaves' sums from zero-padded rows, `XlaBackend.small_leaf_rows`);
+- ``"xla-large-tree"``: the XLA path as it runs large leaves, on every leaf: u
+  recomputed in its second pass, the rescue's scaled sums under ``lax.cond``
+  (shipped only past `XlaBackend.materialize_u_max_size`);
 - ``"pallas"``: the Pallas kernels in interpret mode with tiny blocks (128
   elements, 3 leaves per launch, pass 2 by XLA from 256 elements), so that chunk
   tails, stacked slices, several launches and both kinds of pass 2 run on the
@@ -53,7 +57,8 @@ TINY_BLOCKS = BlockSizes(
 # name: (lamb's implementation argument, the context its steps are traced in)
 _CONFIGURATIONS = {
   "xla": ("xla", contextlib.nullcontext),
-  "xla-recompute-u": (XlaBackend(materialize_u_max_size=0), contextlib.nullcontext),
+  "xla-one-device": (XlaBackend(small_leaf_rows=True), contextlib.nullcontext),
+  "xla-large-tree": (XlaBackend(materialize_u_max_size=0), contextlib.nullcontext),
   "pallas": (PallasTritonBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
   "pallas-tiny-blocks": (
     PallasTritonBackend(block_sizes=TINY_BLOCKS, interpret=True),

@@ -17,7 +17,7 @@ from helpers.implementations import lamb_for
 
 import optax_lamb
 
-IMPLEMENTATIONS = ("xla", "xla-recompute-u", "reference", "pallas")
+IMPLEMENTATIONS = ("xla", "xla-one-device", "xla-large-tree", "reference", "pallas")
 # float32 steps of different implementations agree to about 1e-6 relative (two
 # norms summed in different orders); their derivatives inherit that.
 RTOL = 1e-5

@@ -15,7 +15,7 @@ from helpers.lamb_reference import NumpyLamb
 
 import optax_lamb
 
-IMPLEMENTATIONS = ("xla", "xla-recompute-u", "reference", "pallas")
+IMPLEMENTATIONS = ("xla", "xla-one-device", "xla-large-tree", "reference", "pallas")
 RTOL = 1e-5  # float32 steps against float64 (the README's promise between implementations)
 # A leaf's magnitude: under- and overflowing squares, and an ordinary one.
 SCALES = [1e-30, 1e-19, 1.0, 1e20, 1e30]

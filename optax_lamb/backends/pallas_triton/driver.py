@@ -199,7 +199,10 @@ class PallasTritonBackend:
     )
     names = plan.slot_names
     p_plain, p_down, p_up, u_plain, u_down, u_up = (_psum_slots(x, names) for x in sums)
-    chosen = (_chosen(p_plain, p_down, p_up), _chosen(u_plain, u_down, u_up))
+    chosen = (
+      _ratios.chosen_scaled(p_plain, p_down, p_up),
+      _ratios.chosen_scaled(u_plain, u_down, u_up),
+    )
     by_slot = _ratios.SlotSums(p_plain, u_plain, chosen)
     return _ratios.ratio_vector(by_slot, plan.scalars, plan.adapted_slots)
 
@@ -212,11 +215,6 @@ def _psum_slots(x: jax.Array, slot_names: list) -> jax.Array:
   groups = [np.array([i for i, n in enumerate(slot_names) if n == name]) for name in names]
   summed = _ratios.psum_by_name([x[g] for g in groups], names)
   return jnp.concatenate(summed)[np.argsort(np.concatenate(groups))]
-
-
-def _chosen(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
-  """Of a sum's values at `DOWN` and `UP`, the one `_ratios.norm_from_sums` takes."""
-  return jnp.where(jnp.isinf(plain), down, up)
 
 
 def _flat(x: jax.Array) -> jax.Array:
