@@ -5,12 +5,13 @@ import pytest
 from conformance import Conformance
 
 
+class TestXlaOneDevice(Conformance):  # as shipped to a process of one device: most users
+  IMPLEMENTATION = "xla-one-device"
+
+
+@pytest.mark.slow  # as shipped to a process of several devices (this one's eight): CI runs it
 class TestXla(Conformance):
   IMPLEMENTATION = "xla"
-
-
-class TestXlaOneDevice(Conformance):  # as shipped to a process of one device
-  IMPLEMENTATION = "xla-one-device"
 
 
 @pytest.mark.slow  # the XLA path of large trees forced on every tree: CI runs it
