@@ -416,6 +416,7 @@ def test_axis_name_that_does_not_fit_the_params():
 # --- the example -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the example script in its own process (10 s): CI runs it
 def test_example_runs_on_eight_devices():
   """examples/data_parallel.py on the 8 fake CPU devices, a few steps, in a subprocess."""
   pytest.importorskip("flax")

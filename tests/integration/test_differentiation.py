@@ -79,7 +79,9 @@ def test_grad_with_respect_to_params_is_finite_when_every_gradient_is_zero():
   chex.assert_tree_all_finite(jax.grad(loss)(params))
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+@pytest.mark.parametrize(
+  "implementation", [pytest.param("pallas", marks=pytest.mark.slow), "reference"]
+)  # the kernels interpreted (17 s): CI runs them
 def test_jvp_and_vjp_equal_the_xla_paths(implementation, rng):
   """With respect to params and gradients together, forward and reverse mode."""
   params, grads = _problem(rng)

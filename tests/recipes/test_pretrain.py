@@ -79,6 +79,7 @@ def reference(tmp_path_factory, corpus) -> str:
   return out
 
 
+@pytest.mark.slow  # a recipe job end to end (23 s): CI runs it
 def test_smoke_preset_end_to_end(tmp_path):
   """The documented command, as it is: the King James Bible, both phases, every output."""
   done = pretrain("--out", str(tmp_path), "--no-progress")

@@ -222,6 +222,7 @@ def test_the_layout_depends_on_the_shape_only():
     assert not np.any(np.asarray(mu.codes)) and not np.any(np.asarray(mu.scales))
 
 
+@pytest.mark.slow  # 29 s: CI runs it
 def test_the_update_differentiates_with_respect_to_the_params():
   """Through the update (the integer codes carry no derivative): reference and XLA agree."""
   rng = np.random.default_rng(4)
