@@ -42,10 +42,9 @@ class XlaBackend:
     materialize_u_max_size: the smallest leaves, up to this many elements in all
       (4K: 16 KiB of float32), keep u in memory between the norm and the update;
       the others recompute it.
-    small_leaf_rows: whether those leaves' sums come from their slices gathered in
-      zero-padded rows (one reduction per row width, not two per leaf: faster on
-      XLA:CPU). None: where the process has one device and no mesh is set (with
-      several, the rows would gather leaves sharded over them).
+    small_leaf_rows: those leaves' sums from their slices in zero-padded rows (one
+      reduction per width, not two per leaf: faster on XLA:CPU). None: with one device
+      and no mesh set (with several, rows would gather leaves sharded over them).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
@@ -76,20 +75,16 @@ class XlaBackend:
   def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
     """One lamb step in two passes per adapted leaf (one pass for the others)."""
     kept = _smallest_within(plan.leaves, self.materialize_u_max_size)
-    firsts = [
-      _pass1(plan, leaf, x, leaf.index in kept) for leaf, x in zip(plan.leaves, leaves, strict=True)
-    ]
     rows_on = self.small_leaf_rows
     if rows_on is None:  # with several devices, rows would gather leaves sharded over them
       rows_on = jax.device_count() == 1 and jax.sharding.get_abstract_mesh().empty
     rows_on = rows_on and all(name is None for name in plan.leaf_names)  # psums per leaf
-    small = {i: (firsts[i].p, firsts[i].u) for i in kept if plan.leaves[i].adapt and rows_on}
+    firsts = [
+      _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on)
+      for leaf, x in zip(plan.leaves, leaves, strict=True)
+    ]
+    small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
     rows = slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
-    for i in kept - small.keys():
-      if plan.leaves[i].adapt:
-        p_u = (firsts[i].p, firsts[i].u)
-        sums = _ratios.leaf_sq_sums(*p_u, stacked_axes=plan.leaves[i].stacked_axes)  # type: ignore[arg-type]
-        firsts[i] = firsts[i]._replace(p_sq=sums[0], u_sq=sums[1])
     ratios = _ratios_of(plan, leaves, firsts, rows)
     seconds = [
       _pass2(plan, leaf, x, f, ratio, apply=apply)
@@ -174,11 +169,14 @@ def _smallest_within(leaves: tuple[LeafPlan, ...], total: int) -> set[int]:
   for leaf in sorted(leaves, key=lambda leaf: leaf.size):
     if used + leaf.size > total:
       break
-    chosen, used = chosen | {leaf.index}, used + leaf.size
+    chosen.add(leaf.index)
+    used += leaf.size
   return chosen
 
 
-def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool) -> _Pass1:
+def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *,
+           in_rows: bool) -> _Pass1:  # fmt: skip
+  """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`."""
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
@@ -197,8 +195,11 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool) -> _Pass
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
-  if keep_u:  # small leaf: computing u once and keeping it (in cache) beats computing it twice
+  if keep_u and in_rows:  # small leaf: computing u once and keeping it beats computing it twice
     return _Pass1(m, v, m_c, v_c, None, None, u, kept, p)
+  if keep_u:  # u in memory: a plain reduction per sum
+    p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1)
+    return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u, kept)
   p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k)
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
 
@@ -208,17 +209,14 @@ def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
   """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales, computed
   only then from few operands: the small leaves' rows, the others' new moments and params."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
-  in_rows = {i for group in rows.members for i, _ in group}
-  p_sq, u_sq = ([None if i in in_rows else x for i, x in enumerate(xs)] for xs in
-                ([f.p_sq for f in firsts], [f.u_sq for f in firsts]))  # fmt: skip
-  row_sums = rows_sq_sums(rows, layout)
-  sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, row_sums)
+  p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
+  sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, rows_sq_sums(rows, layout))
 
   def rescued() -> jax.Array:
     slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]
     p_scales, u_scales = (layout.pieces(x) for x in slot_scales)
     scaled = [
-      (None, None) if leaf.index in in_rows else _scaled_sums(plan, leaf, x, f, p_scale, u_scale)
+      (None, None) if f.p_sq is None else _scaled_sums(plan, leaf, x, f, p_scale, u_scale)
       for leaf, x, f, p_scale, u_scale in zip(
         plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
       )
@@ -239,14 +237,16 @@ def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
 
 def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale,
                  u_scale) -> tuple:  # fmt: skip
-  """The leaf's sums of (p s_p)^2 and (u s_u)^2 (`_ratios.rescue_scale`, per slice), u recomputed
-  from the moments (one pass, like pass 1's reduction)."""
+  """The leaf's sums of (p s_p)^2 and (u s_u)^2 (`_ratios.rescue_scale`, per slice), in one pass."""
   k = leaf.stacked_axes
   if not leaf.adapt:
     return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 2
   o, s = plan.options, plan.scalars
   # From the branch's own operands, only those u needs (the conditional costs per operand):
   # shared with pass 1, XLA would compute them outside the branch and keep them in memory.
+  if first.u is not None:  # kept in memory: read, not recomputed
+    u, p = jax.lax.optimization_barrier((first.u, _leaf.ratio_params(x.p, o, s, decay=leaf.decay)))
+    return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k)
   if leaf.narrow_moments:  # from the old moments, which pass 2 overwrites later
     x, kept = jax.lax.optimization_barrier((x, first.kept))
     m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
