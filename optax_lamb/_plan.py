@@ -1,18 +1,18 @@
 """One lamb step, planned once for every backend, and the state it leaves.
 
-`plan_step` reads lamb's configuration and state and fixes what the step
-computes: its `StepScalars` (bias corrections, the learning rate and weight
-decay at this step, the clip factor: each a schedule's value at this step
-where it is one) and, per leaf, the static `LeafPlan` (decay, adaptation,
-stacked axes, mapped axis names, where its ratios sit in the state's ratio
-vector). A backend (`optax_lamb.backends`) computes from the plan and the
-leaves' arrays only, and `next_state` assembles the state it returns, so the
-state is the same on every backend: the stage chain's state.
+`plan_step` reads lamb's configuration and state and fixes what the step computes: its
+`StepScalars` (bias corrections, the learning rate and weight decay at this step, the clip
+factor from `global_norm`: each a schedule's value at this step where it is one) and, per leaf,
+the static `LeafPlan` (decay, adaptation, stacked axes, mapped axis names, where its ratios sit
+in the state's ratio vector). A backend (`optax_lamb.backends`) computes from the plan and the
+leaves' arrays only; `_transform` assembles the state it returns from them, so the state is the
+same on every backend: the stage chain's state.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
@@ -193,7 +193,7 @@ def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: l
     step_size = step_size * _leaf.step_size_correction(*_leaf.bias_corrections(count, h.b1, h.b2))
   clip_factor = None
   if h.max_grad_norm is not None:
-    norm = _ratios.global_norm(jax.tree.leaves(grads), names)
+    norm = global_norm(jax.tree.leaves(grads), names)
     clip_factor = _leaf.clip_factor(norm, h.max_grad_norm, h.clip_norm_eps)
   scalars = StepScalars(
     b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root, bc1=bc1, bc2=bc2, weight_decay=wd,
@@ -259,7 +259,7 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
     leaves = [_leaf.to_compute_dtype(g) for g in jax.tree.leaves(grads)]
     factor = None
     if config.hyper.max_grad_norm is not None:
-      norm = _ratios.global_norm(leaves, names)
+      norm = global_norm(leaves, names)
       factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
     dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
     nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
@@ -269,31 +269,19 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
   return ok
 
 
-def leaf_arrays(plan: StepPlan, grads: Any, params: Any) -> list[LeafArrays]:
-  """The step's arrays, one `LeafArrays` per leaf in the plan's order."""
-  assert plan.parts is not None  # a planned step (a per-device plan has no state)
-  adam = plan.parts.adam
-  columns = [plan.treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, params)]
-  return [LeafArrays(*arrays) for arrays in zip(*columns, strict=True)]
+def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
+  """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
+  every finite input: the plain sum, or where it overflowed (computed only then) the sum at
+  `_ratios.DOWN`, finite for every float32 x (small leaves on one device: `_ratios.small_sums`)."""
+  joint = [name is None and _ratios.one_device() for name in names]
 
+  def total(scale: float) -> jax.Array:
+    by_name: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
+    for x, name, j in zip(leaves, names, joint, strict=True):
+      sq = _ratios.sq_norm(x, joint=j, scale=scale)
+      by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
+    return sum((_ratios.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
 
-def next_state(plan: StepPlan, result: StepResult, state: tuple) -> tuple:
-  """lamb's state after the step from `state`, from the backend's new moments and ratio vector
-  (which a skipped step already kept); the counts and ratios kept where it was skipped."""
-  unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
-  adam = optax.ScaleByAdamState(count=plan.count, mu=unflatten(result.mu), nu=unflatten(result.nu))
-  ratio_state = ScaleByTrustRatioState.after_step(result.ratios, plan.layout)
-  assert plan.parts is not None
-  new = plan.parts._replace(adam=adam, trust_ratio=ratio_state)
-  if plan.scalars.take is not None:
-    old = LambStateParts(*state)
-    new = new._replace(
-      adam=adam._replace(count=_leaf.kept(adam.count, old.adam.count, plan.scalars)),
-      **{
-        part: jax.tree.map(
-          lambda n, o: _leaf.kept(n, o, plan.scalars), getattr(new, part), getattr(old, part)
-        )  # fmt: skip
-        for part in ("decay", "trust_ratio", "learning_rate")
-      },
-    )
-  return tuple(new)
+  sq = total(1.0)
+  rescued = lambda: _ratios.safe_sqrt(total(_ratios.DOWN)) / _ratios.DOWN
+  return jax.lax.cond(jnp.isinf(sq), rescued, lambda: _ratios.safe_sqrt(sq))

@@ -1,5 +1,5 @@
 """The trust ratio over a tree, in one place: norm sums from a leaf's chunks, their sums over
-mapped axes and stacked slices, the ratio vector and its layout; and the global clipping norm.
+mapped axes and stacked slices, the ratio vector and its layout (the clipping norm: `_tree_norm`).
 
 Squared norms are accumulated in float32 (at least). A float32 sum of squares
 overflows for elements near 1e19 and underflows for elements near 1e-19; the
@@ -43,9 +43,12 @@ def squares(x: jax.Array, scale: Any = 1.0) -> jax.Array:
   return jnp.square(x * _leaf.broadcast_ratio(jnp.asarray(scale, x.dtype), x))
 
 
-def sq_norm(x: jax.Array, stacked_axes: int = 0) -> jax.Array:
-  """Sum of squares over all but the first `stacked_axes` axes, in one plain reduction."""
-  return jnp.sum(squares(x), axis=tuple(range(stacked_axes, jnp.ndim(x))))
+def sq_norm(x: jax.Array, stacked_axes: int = 0, joint: bool = False,
+            scale: Any = 1.0) -> jax.Array:  # fmt: skip
+  """Sum of (x s)^2 over all but the first `stacked_axes` axes, in one plain reduction (a small
+  leaf with `joint`: `small_sums`)."""
+  joint = joint and math.prod(jnp.shape(x)) < BLOCKED_FROM
+  return _reduced((squares(x, scale),), stacked_axes, 1, False, joint)[0]
 
 
 # Blocks of a leaf's sums of squares, in one of two layouts (benchmarks/NOTES.md, "Memory"):
@@ -58,6 +61,11 @@ NormBlocks = Literal["auto", "rows", "columns"]
 NORM_BLOCKS: NormBlocks = "auto"
 PARTIALS = 16
 BLOCKED_FROM = 16 * 1024  # elements: a smaller leaf takes one plain sum per term
+
+
+def one_device() -> bool:
+  """Whether the trace has one device and no mesh: nothing to partition (`small_sums`' joint)."""
+  return jax.device_count() == 1 and jax.sharding.get_abstract_mesh().empty
 
 
 def column_blocks() -> bool:
@@ -84,38 +92,52 @@ def _add(a: tuple, b: tuple) -> tuple:
 
 
 def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
-                 partial_count: int = PARTIALS) -> tuple[jax.Array, ...]:  # fmt: skip
+                 partial_count: int = PARTIALS, joint: bool = False) -> tuple[jax.Array, ...]:  # fmt: skip
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
   Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count` blocks
   (`block_count`); one reduction sums each block for every sum at once (a loop that evaluates the
   inputs' producers, e.g. the LAMB direction, once), then the partial sums are added up. Slices
-  too short or that no such blocks divide take one reduction for all sums; `partial_count` 1, a
-  plain reduction per sum (for inputs already in memory)."""
+  too short or that no such blocks divide take one reduction for all sums; `partial_count` 1, no
+  blocks. A small leaf: a plain reduction per sum, or with `joint` one for all (`small_sums`)."""
   terms = [squares(x, s) for x in xs for s in scales]
-  return _sums_of(terms, stacked_axes, partial_count, column_blocks())
+  return _reduced(tuple(terms), stacked_axes, partial_count, column_blocks(), joint)
 
 
-def _sums_of(terms: list[jax.Array], stacked_axes: int, partial_count: int,
-             columns: bool = False) -> tuple:  # fmt: skip
-  """Each term summed over all but its first `stacked_axes` axes (see `leaf_sq_sums`)."""
-  if partial_count == 1:
-    axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
-    return tuple(jnp.sum(q, axis=axes) for q in terms)
-  return _reduced(tuple(terms), stacked_axes, partial_count, columns)
+def small_sums(terms: tuple, stacked_axes: int, joint: bool) -> tuple:
+  """`_small_sums`, differentiable."""
+  return _reduced(tuple(terms), stacked_axes, 1, False, joint)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool) -> tuple:
-  """The terms' sums in one reduction, in blocks where they fit (XLA:CPU hands a lone sum to a
-  library that reads its input from memory). A leaf under BLOCKED_FROM elements: a plain sum per
-  term, which XLA's partitioner splits over devices; it gathers the input of a many-term
-  reduction over a sharded axis: a large leaf sharded there gathers its blocks (docs/memory.md)."""
+def _small_sums(terms: tuple, stacked_axes: int, joint: bool) -> tuple:
+  """The terms' sums without blocks. Not `joint`: one reduction per term, which XLA's
+  partitioner splits over devices. `joint`: one for all (a lone term: its two halves), a loop
+  over the terms' producers: XLA:CPU rewrites a lone sum over a small leaf into partial sums
+  whose input it stores (the leaf's size in temporaries); the partitioner would gather it."""
+  if not joint:
+    return tuple(jnp.sum(q, axis=tuple(range(stacked_axes, jnp.ndim(q)))) for q in terms)
+  shape = jnp.shape(terms[0])
+  n = math.prod(shape[stacked_axes:])
+  flat = tuple(jnp.reshape(q, shape[:stacked_axes] + (n,)) for q in terms)
+  if len(terms) == 1 and n > 1:
+    half, (q,) = n // 2, flat
+    a, b = _small_sums((q[..., :half], q[..., half : 2 * half]), stacked_axes, joint)
+    return (a + b + jnp.sum(q[..., 2 * half :], axis=-1),)
+  zeros = tuple(jnp.zeros((), q.dtype) for q in flat)
+  return tuple(jax.lax.reduce(flat, zeros, _add, (stacked_axes,)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool,
+             joint: bool) -> tuple:  # fmt: skip
+  """The terms' sums in one reduction, in blocks where they fit (a lone sum's input XLA:CPU would
+  store, see `small_sums`); `partial_count` 1 or a leaf under BLOCKED_FROM elements: `small_sums`.
+  A large leaf sharded over a reduced axis gathers its blocks (docs/memory.md)."""
   shape = jnp.shape(terms[0])
   lead, length = shape[:stacked_axes], math.prod(shape[stacked_axes:])
+  if partial_count == 1 or math.prod(shape) < max(16 * partial_count, BLOCKED_FROM):
+    return _small_sums(terms, stacked_axes, joint)
   axes = tuple(range(stacked_axes, len(shape)))
-  if math.prod(shape) < max(16 * partial_count, BLOCKED_FROM):
-    return tuple(jnp.sum(q, axis=axes) for q in terms)
   zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
   big = length >= max(16 * partial_count, BLOCKED_FROM)
   blocks = block_count(length, partial_count) if big else None
@@ -127,13 +149,13 @@ def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool)
 
 
 @_reduced.defjvp
-def _reduced_jvp(stacked_axes: int, partial_count: int, columns: bool, primals: tuple,
-                 tangents: tuple) -> tuple:  # fmt: skip
+def _reduced_jvp(stacked_axes: int, partial_count: int, columns: bool, joint: bool,
+                 primals: tuple, tangents: tuple) -> tuple:  # fmt: skip
   """Linear: the tangents' plain sums (transposable, unlike the blocked reduction)."""
   (terms,), (dterms,) = primals, tangents
   axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
   tangent_sums = tuple(jnp.sum(dq, axis=axes) for dq in dterms)
-  return _reduced(terms, stacked_axes, partial_count, columns), tangent_sums
+  return _reduced(terms, stacked_axes, partial_count, columns, joint), tangent_sums
 
 
 def rescue_scale(plain: jax.Array) -> jax.Array:
@@ -142,11 +164,11 @@ def rescue_scale(plain: jax.Array) -> jax.Array:
 
 
 def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.Array,
-                   stacked_axes: int = 0) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+                   stacked_axes: int = 0, joint: bool = False) -> tuple[jax.Array, jax.Array]:  # fmt: skip
   """The rare path's sums of (p s_p)^2 and (u s_u)^2 (s: `rescue_scale`, per slice), in one
   reduction, in rows (it almost never runs: no accumulators reserved beside the main ones)."""
   terms = [squares(p, p_scale), squares(u, u_scale)]
-  return _sums_of(terms, stacked_axes, PARTIALS)
+  return _reduced(tuple(terms), stacked_axes, PARTIALS, False, joint)
 
 
 def safe_sqrt(sq: jax.Array) -> jax.Array:
@@ -196,41 +218,13 @@ def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.
   return out
 
 
-def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
-  """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
-  every finite input: the plain sum, divided by max|x| only where it overflowed (`scaled_norm`;
-  the `DOWN` sums here changed XLA:CPU's fusion of the common path: one ulp, donation-dependent)."""
-  totals: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
-  for x, name in zip(leaves, names, strict=True):
-    totals[name] = totals.get(name, jnp.zeros((), jnp.float32)) + sq_norm(x)
-  sq = sum((psum_if(t, name) for name, t in totals.items()), jnp.zeros((), jnp.float32))
-
-  def rescaled() -> jax.Array:
-    norms = [scaled_norm(x, 0, name) for x, name in zip(leaves, names, strict=True)]
-    peak = functools.reduce(jnp.maximum, norms, jnp.zeros((), jnp.float32))
-    safe_peak = jnp.where(peak > 0, peak, 1)
-    return safe_peak * safe_sqrt(sum((jnp.square(n / safe_peak) for n in norms), jnp.zeros(())))
-
-  return jax.lax.cond(jnp.isinf(sq), rescaled, lambda: safe_sqrt(sq))
-
-
-def scaled_norm(x: jax.Array, stacked_axes: int = 0, axis_name: Any = None) -> jax.Array:
-  """||x|| over all but the first `stacked_axes` axes, right for every finite x (no overflow,
-  no underflow): max|x| sqrt(sum((x / max|x|)^2)), the max and sum taken over `axis_name` too."""
-  x, axes = x.astype(compute_dtype(x.dtype)), tuple(range(stacked_axes, x.ndim))
-  peak = jnp.max(jnp.abs(x), axis=axes, initial=0.0)
-  peak = peak if axis_name is None else jax.lax.pmax(peak, axis_name)
-  safe_peak = jnp.where(peak > 0, peak, jnp.ones_like(peak))
-  scaled = x / jnp.reshape(safe_peak, safe_peak.shape + (1,) * len(axes))
-  return safe_peak * safe_sqrt(psum_if(jnp.sum(jnp.square(scaled), axis=axes), axis_name))
-
-
-def caution_fraction(u, g, stacked_axes: int = 0, axis_name: Any = None) -> jax.Array:
+def caution_fraction(u, g, stacked_axes: int = 0, axis_name: Any = None,
+                     joint: bool = False) -> jax.Array:  # fmt: skip
   """max(mean([u g > 0]), 1e-3) per leaf (or stacked slice), float32: caution's rescaling, `u`
   the Adam direction, `g` the moments' gradient, counted on every shard of `axis_name`."""
   keep = _leaf.agrees(u, g).astype(jnp.float32)
   # Kept and dropped counted in one reduction (a lone sum: an XLA:CPU library that reads u).
-  sums = _sums_of([keep, 1 - keep], stacked_axes, PARTIALS)
+  sums = _reduced((keep, 1 - keep), stacked_axes, PARTIALS, False, joint)
   kept, count = (psum_if(x, axis_name) for x in (sums[0], sums[0] + sums[1]))
   return jnp.maximum(kept / count, _leaf.CAUTION_MIN_FRACTION)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _checks, _nnx, _ratios
+from optax_lamb import _checks, _nnx, _plan, _ratios
 
 _BOOLS = (bool, np.bool_)
 
@@ -184,7 +184,7 @@ def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
   names, axes = _axes(axis_name, grads)
   leaves = jax.tree.leaves(grads)
   if clip_norm:
-    norm = _ratios.global_norm(leaves, names).astype(jnp.float32)
+    norm = _plan.global_norm(leaves, names).astype(jnp.float32)
   else:
     norm = _global_norm(leaves, names)
   if grad_scale is not None:

@@ -62,11 +62,11 @@ def _fused_step(config: LambConfig, implementation: _registry.Implementation, sk
     rule = _plan.SkipRule(state.consecutive, None, verdict) if skipping else None
     plan = _plan.plan_step(config, grads, lamb_state, on, rule)
     result = _registry.step(
-      implementation, plan, _plan.leaf_arrays(plan, grads, on), apply=apply and not master
+      implementation, plan, _leaf_arrays(plan, grads, on), apply=apply and not master
     )
     out, new_inner = (
       jax.tree.unflatten(plan.treedef, result.out),
-      _plan.next_state(plan, result, lamb_state),
+      _next_state(plan, result, lamb_state),
     )
     if master:  # out is the master's update (0 where skipped), applied as with_master_weights does
       new_master = optax.apply_updates(on, out)
@@ -227,3 +227,33 @@ def with_prologue(
 
     update_fn.fused_apply = fused  # type: ignore[attr-defined]
   return optax.GradientTransformationExtraArgs(init_fn, divides_by_grad_scale(update_fn))
+
+
+def _leaf_arrays(plan: _plan.StepPlan, grads: Any, params: Any) -> list[_plan.LeafArrays]:
+  """The step's arrays, one `LeafArrays` per leaf in the plan's order."""
+  assert plan.parts is not None  # a planned step (a per-device plan has no state)
+  adam = plan.parts.adam
+  columns = [plan.treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, params)]
+  return [_plan.LeafArrays(*arrays) for arrays in zip(*columns, strict=True)]
+
+
+def _next_state(plan: _plan.StepPlan, result: _plan.StepResult, state: tuple) -> tuple:
+  """lamb's state after the step from `state`, from the backend's new moments and ratio vector
+  (which a skipped step already kept); the counts and ratios kept where it was skipped."""
+  unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
+  adam = optax.ScaleByAdamState(count=plan.count, mu=unflatten(result.mu), nu=unflatten(result.nu))
+  ratio_state = _plan.ScaleByTrustRatioState.after_step(result.ratios, plan.layout)
+  assert plan.parts is not None
+  new = plan.parts._replace(adam=adam, trust_ratio=ratio_state)
+  if plan.scalars.take is not None:
+    old = _plan.LambStateParts(*state)
+    new = new._replace(
+      adam=adam._replace(count=_leaf.kept(adam.count, old.adam.count, plan.scalars)),
+      **{
+        part: jax.tree.map(
+          lambda n, o: _leaf.kept(n, o, plan.scalars), getattr(new, part), getattr(old, part)
+        )  # fmt: skip
+        for part in ("decay", "trust_ratio", "learning_rate")
+      },
+    )
+  return tuple(new)

@@ -73,6 +73,20 @@ def rows_layout(monkeypatch) -> None:
   monkeypatch.setattr(_ratios, "NORM_BLOCKS", "rows")
 
 
+@pytest.fixture(params=[False, True], ids=["devices-8", "one-device"])
+def device_count_seen(request, monkeypatch) -> bool:
+  """The step traced as in this 8-device process, and as in a one-device one (small leaves'
+  sums joint: optax_lamb._ratios.one_device); the fixture's value says which."""
+  import jax
+
+  from optax_lamb import _ratios
+
+  if request.param:
+    monkeypatch.setattr(jax, "device_count", lambda *args: 1)
+  assert _ratios.one_device() == request.param
+  return request.param
+
+
 @pytest.fixture(autouse=True)
 def _margins_of_this_test(request):
   asserts.current_test = request.node.nodeid.split("[")[0]

@@ -12,15 +12,15 @@ XLA would give several param-sized intermediates, reading each leaf many times).
 An `optimization_barrier` between the passes stops XLA from merging the two computations of u
 (which would materialise u). Moments stored narrower than computed: pass 2 recomputes them from
 the old ones, so u never sees the rounding. The smallest leaves, up to `materialize_u_max_size`
-elements in all, keep u between the norm and the update (the total bounds the step's
-temporaries); their sums come from their slices gathered in zero-padded rows (`slice_rows`): on
-XLA:CPU every reduction costs about 2 us a call, most of a small tree's step. Leaves without
-layer adaptation take one pass. Every formula is `_leaf`'s, every norm `_ratios`'.
+elements in all, keep u between the norm and the update; on one device their sums come from
+zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us a call). Leaves
+without adaptation take one pass. Every formula is `_leaf`'s, every norm `_ratios`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -42,9 +42,9 @@ class XlaBackend:
     materialize_u_max_size: the smallest leaves, up to this many elements in all
       (4K: 16 KiB of float32), keep u in memory between the norm and the update;
       the others recompute it.
-    small_leaf_rows: those leaves' sums from their slices in zero-padded rows (one
-      reduction per width, not two per leaf: faster on XLA:CPU). None: with one device
-      and no mesh set (with several, rows would gather leaves sharded over them).
+    joint_small_sums: the sums of leaves that keep u from zero-padded rows (one reduction
+      per width, not two per leaf), other small leaves' sums in one reduction (XLA:CPU
+      stores a lone sum's input). None: on one device, no mesh set (`_ratios.one_device`).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
@@ -60,7 +60,7 @@ class XlaBackend:
   name = "xla"
   differentiable = True  # plain jnp: jax differentiates it
   materialize_u_max_size: int = 1 << 12
-  small_leaf_rows: bool | None = None
+  joint_small_sums: bool | None = None
 
   def auto_reason(self) -> str | None:
     return None
@@ -74,18 +74,16 @@ class XlaBackend:
 
   def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
     """One lamb step in two passes per adapted leaf (one pass for the others)."""
-    kept = _smallest_within(plan.leaves, self.materialize_u_max_size)
-    rows_on = self.small_leaf_rows
-    if rows_on is None:  # with several devices, rows would gather leaves sharded over them
-      rows_on = jax.device_count() == 1 and jax.sharding.get_abstract_mesh().empty
-    rows_on = rows_on and all(name is None for name in plan.leaf_names)  # psums per leaf
+    joint = _ratios.one_device() if self.joint_small_sums is None else self.joint_small_sums
+    rows_on = joint and all(name is None for name in plan.leaf_names)  # psums per leaf
+    kept = _smallest_within(plan.leaves, self.materialize_u_max_size, rows_on)
     firsts = [
-      _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on)
+      _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on, joint=joint)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
     rows = slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
-    ratios = _ratios_of(plan, leaves, firsts, rows)
+    ratios = _ratios_of(plan, leaves, firsts, rows, joint)
     seconds = [
       _pass2(plan, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(
@@ -137,9 +135,8 @@ def rows_sq_sums(rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax
       [np.arange(layout.offsets[i], layout.offsets[i + 1]) for i, _ in members]
     )
     scales: list = [x[slots] for x in slot_scales] or [1.0] * len(arrays)
-    out.append(
-      tuple(jnp.sum(_ratios.squares(a, s), axis=1) for a, s in zip(arrays, scales, strict=True))
-    )
+    terms = tuple(_ratios.squares(a, s) for a, s in zip(arrays, scales, strict=True))
+    out.append(_ratios.small_sums(terms, 1, joint=True))
   return tuple(out)
 
 
@@ -162,20 +159,21 @@ def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> 
   return _leaf.direction(m, v, p, o, s, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
 
 
-def _smallest_within(leaves: tuple[LeafPlan, ...], total: int) -> set[int]:
-  """The indices of the smallest leaves whose sizes add up to at most `total`."""
-  chosen: set[int] = set()
-  used = 0
-  for leaf in sorted(leaves, key=lambda leaf: leaf.size):
-    if used + leaf.size > total:
-      break
-    chosen.add(leaf.index)
-    used += leaf.size
-  return chosen
+def _smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> set[int]:
+  """The indices of the smallest leaves whose sizes (with `rows`: as `slice_rows` pads them)
+  add up to at most `total`."""
+  padded = lambda leaf: (
+    math.prod(leaf.shape[: leaf.stacked_axes])
+    << max(math.prod(leaf.shape[leaf.stacked_axes :]) - 1, 0).bit_length()
+  )  # as in `slice_rows`
+  sizes = {leaf.index: padded(leaf) if rows else leaf.size for leaf in leaves}
+  order = sorted(sizes, key=sizes.__getitem__)
+  used = itertools.accumulate(sizes[i] for i in order)
+  return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
 
 
-def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *,
-           in_rows: bool) -> _Pass1:  # fmt: skip
+def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_rows: bool,
+           joint: bool) -> _Pass1:  # fmt: skip
   """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`."""
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
@@ -186,7 +184,8 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *,
   kept = None
   if o.caution:  # a reduction over the leaf before u: the kernels do not compute it
     g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay)
-    kept = _ratios.caution_fraction(_leaf.adam_direction(m_c, v_c, s), g, k, leaf.axis_name)
+    u = _leaf.adam_direction(m_c, v_c, s)
+    kept = _ratios.caution_fraction(u, g, k, leaf.axis_name, joint)
     # u again after the barrier: kept in memory between the two reductions, it would be
     # a parameter-sized temporary.
     m_c, v_c, x, kept = jax.lax.optimization_barrier((m_c, v_c, x, kept))
@@ -198,14 +197,14 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *,
   if keep_u and in_rows:  # small leaf: computing u once and keeping it beats computing it twice
     return _Pass1(m, v, m_c, v_c, None, None, u, kept, p)
   if keep_u:  # u in memory: a plain reduction per sum
-    p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1)
+    p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1, joint=joint)
     return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u, kept)
-  p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k)
+  p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, joint=joint)
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
 
 
 def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
-               rows: SliceRows) -> jax.Array:  # fmt: skip
+               rows: SliceRows, joint: bool) -> jax.Array:  # fmt: skip
   """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales, computed
   only then from few operands: the small leaves' rows, the others' new moments and params."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
@@ -216,7 +215,7 @@ def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
     slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]
     p_scales, u_scales = (layout.pieces(x) for x in slot_scales)
     scaled = [
-      (None, None) if f.p_sq is None else _scaled_sums(plan, leaf, x, f, p_scale, u_scale)
+      (None, None) if f.p_sq is None else _scaled_sums(plan, leaf, x, f, p_scale, u_scale, joint)
       for leaf, x, f, p_scale, u_scale in zip(
         plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
       )
@@ -236,7 +235,7 @@ def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
 
 
 def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale,
-                 u_scale) -> tuple:  # fmt: skip
+                 u_scale, joint: bool) -> tuple:  # fmt: skip
   """The leaf's sums of (p s_p)^2 and (u s_u)^2 (`_ratios.rescue_scale`, per slice), in one pass."""
   k = leaf.stacked_axes
   if not leaf.adapt:
@@ -246,7 +245,7 @@ def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p
   # shared with pass 1, XLA would compute them outside the branch and keep them in memory.
   if first.u is not None:  # kept in memory: read, not recomputed
     u, p = jax.lax.optimization_barrier((first.u, _leaf.ratio_params(x.p, o, s, decay=leaf.decay)))
-    return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k)
+    return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k, joint=joint)
   if leaf.narrow_moments:  # from the old moments, which pass 2 overwrites later
     x, kept = jax.lax.optimization_barrier((x, first.kept))
     m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
@@ -256,7 +255,7 @@ def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p
     x = x._replace(p=p, g=x.g if g is None else g)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
-  return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k)
+  return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k, joint=joint)
 
 
 def _pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *,

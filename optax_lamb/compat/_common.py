@@ -95,7 +95,11 @@ def keras_clipping(
       leaves, treedef = jax.tree.flatten(grads)
       names = _checks.resolve_axis_names(axis_name, params)
       axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
-      sq = [_ratios.sq_norm(g, k) for g, k in zip(leaves, axes, strict=True)]
+      one = _ratios.one_device()  # small leaves: `_ratios.small_sums`
+      sq = [
+        _ratios.sq_norm(g, k, n is None and one)
+        for g, k, n in zip(leaves, axes, names, strict=True)
+      ]
       factors = [
         _leaf.clip_factor(_ratios.safe_sqrt(s), clipnorm) for s in _ratios.psum_by_name(sq, names)
       ]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _ratios
+from optax_lamb import _check_args, _checks, _leaf, _plan, _ratios
 from optax_lamb._loss_scale import divides_by_grad_scale
 from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
@@ -210,7 +210,7 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
     treedef: Any
     leaves, treedef = jax.tree.flatten(grads)
     names = _checks.resolve_axis_names(axis_name, params)
-    norm = _ratios.global_norm(leaves, names)
+    norm = _plan.global_norm(leaves, names)
 
     def nonfinite() -> jax.Array:  # ORT's sum of squares: inf with an inf element, NaN with a NaN
       sums = [jnp.sum(jnp.where(jnp.isfinite(g), 0, jnp.square(g))) for g in leaves]

@@ -222,7 +222,7 @@ def test_nonfinite_clip_and_decay_values_are_refused(ctor, arg, value):
 
 
 @pytest.mark.parametrize("ctor", ["keras_lamb", "tfa_lamb"])
-def test_per_variable_clipnorm_clips_each_stacked_layer(ctor):
+def test_per_variable_clipnorm_clips_each_stacked_layer(ctor, device_count_seen):
   """Class 2: with stacked_axes, Keras' and TF Addons' per-variable clipnorm must compute what a
   model with one variable per layer computes (per slice). The lead decides between per slice
   and documenting per leaf: the assertion marked PER SLICE is the one that decides."""

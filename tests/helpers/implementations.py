@@ -5,7 +5,7 @@
 - ``"xla"``: the fused XLA path as shipped (in the tests' process of eight
   devices: every leaf's norm sums its own);
 - ``"xla-one-device"``: the XLA path as shipped to a process of one device (the
-  small leaves' sums from zero-padded rows, `XlaBackend.small_leaf_rows`);
+  small leaves' sums from zero-padded rows, `XlaBackend.joint_small_sums`);
 - ``"xla-large-tree"``: the XLA path as it runs large leaves, on every leaf: u
   recomputed in its second pass, the rescue's scaled sums under ``lax.cond``
   (shipped only past `XlaBackend.materialize_u_max_size`);
@@ -57,7 +57,7 @@ TINY_BLOCKS = BlockSizes(
 # name: (lamb's implementation argument, the context its steps are traced in)
 _CONFIGURATIONS = {
   "xla": ("xla", contextlib.nullcontext),
-  "xla-one-device": (XlaBackend(small_leaf_rows=True), contextlib.nullcontext),
+  "xla-one-device": (XlaBackend(joint_small_sums=True), contextlib.nullcontext),
   "xla-large-tree": (XlaBackend(materialize_u_max_size=0), contextlib.nullcontext),
   "pallas": (PallasTritonBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
   "pallas-tiny-blocks": (

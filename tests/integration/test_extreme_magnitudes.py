@@ -64,8 +64,12 @@ def test_clipping_gradients_near_1e20_gives_the_clipped_step(implementation, rng
   assert float(optax.tree.norm(huge)) > 0
 
 
-def test_clip_by_global_norm_of_gradients_near_1e20_has_norm_one(rng):
-  grads = {"a": jnp.asarray(1e20 * rng.normal(size=(50,)), jnp.float32), "b": jnp.full((3,), 3e20)}
+def test_clip_by_global_norm_of_gradients_near_1e20_has_norm_one(rng, device_count_seen):
+  grads = {
+    "a": jnp.asarray(1e20 * rng.normal(size=(51,)), jnp.float32),  # odd: halves and a last one
+    "b": jnp.full((3,), 3e20),
+    "c": jnp.asarray(1e20 * rng.normal(size=(7, 300)), jnp.float32),
+  }
   tx = optax_lamb.clip_by_global_norm(1.0)
   clipped, _ = tx.update(grads, tx.init(grads))
   norm = np.sqrt(

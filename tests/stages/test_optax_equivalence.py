@@ -119,7 +119,7 @@ def test_weight_decay_schedule_follows_step_count(rng):
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e4])
-def test_clip_by_global_norm_equals_optax(max_norm, rng):
+def test_clip_by_global_norm_equals_optax(max_norm, rng, device_count_seen):
   updates = as_jax(random_tree(rng))
   ours = optax_lamb.clip_by_global_norm(max_norm)
   theirs = optax.clip_by_global_norm(max_norm)
