@@ -247,11 +247,12 @@ def kept(new: jax.Array, old: Any, s: StepScalars) -> jax.Array:
   return jnp.where(jnp.asarray(s.take) != 0, new, old)
 
 
-def stored(moment: jax.Array, old: Any, s: StepScalars) -> Any:
+def stored(moment: jax.Array, old: Any, s: StepScalars, *, one_reduction: bool = True) -> Any:
   """A moment computed in the compute dtype, as stored in `old`'s dtype (kept where skipped);
-  quantized where `old` is (its codes and scales kept, bit-identical, where skipped)."""
+  quantized where `old` is (its codes and scales kept, bit-identical, where skipped; in a Pallas
+  kernel with `one_reduction` False: `_moment_storage.store`)."""
   if isinstance(old, _moment_storage.QuantizedMoment):
-    return _moment_storage.store(moment, old, s.take)
+    return _moment_storage.store(moment, old, s.take, one_reduction=one_reduction)
   return kept(moment.astype(old.dtype), old, s)
 
 

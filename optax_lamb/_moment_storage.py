@@ -79,12 +79,14 @@ def load(stored: Any, dtype: Any) -> jax.Array:
   return stored.astype(dtype)
 
 
-def store(moment: jax.Array, old: Any, take: Any = None) -> Any:
+def store(moment: jax.Array, old: Any, take: Any = None, *, one_reduction: bool = True) -> Any:
   """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
-  `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step)."""
+  `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step).
+  `one_reduction`: False in a Pallas kernel (`_quantize.quantize`; the same codes and scales)."""
   new: Any
   if is_quantized(old):  # integer codes: no derivative flows into the stored moment
-    new = _quantize.quantize(jax.lax.stop_gradient(moment), signed(old))
+    moment = jax.lax.stop_gradient(moment)
+    new = _quantize.quantize(moment, signed(old), one_reduction=one_reduction)
   else:
     new = moment.astype(old.dtype)
   if take is None:

@@ -231,18 +231,18 @@ def quantizes(
   return quantized_bytes < 4 * size
 
 
-def _block_scales(x: jax.Array, block_size: int) -> jax.Array:
-  """The scales of float32 ``x``: its whole blocks reduced in place (a slice and a reshape, fused
-  into the reduction), the partial last one apart; no padded copy of ``x``."""
-  n = x.shape[-1]
-  whole = n // block_size
-  parts = [jnp.zeros((*x.shape[:-1], 0), jnp.float32)]  # n = 0: no blocks
+def _block_scales(x: jax.Array, block_size: int, one_reduction: bool = True) -> jax.Array:
+  """The scales of float32 ``x``: its whole blocks reduced in place (no padded copy of ``x``), the
+  partial last one apart; by `_block_scale_one_reduction` (XLA) or else `block_scale` (in a Pallas
+  Triton kernel, which has no variadic reduction): the same scales, a max being exact."""
+  n, whole = x.shape[-1], x.shape[-1] // block_size
+  reduce = _block_scale_one_reduction if one_reduction else block_scale
+  parts = [] if n else [jnp.zeros((*x.shape[:-1], 0), jnp.float32)]  # n = 0: no blocks
   if whole:
-    blocks = x[..., : whole * block_size].reshape(*x.shape[:-1], whole, block_size)
-    parts.append(_block_scale_one_reduction(blocks))
+    parts.append(reduce(x[..., : whole * block_size].reshape(*x.shape[:-1], whole, block_size)))
   if n % block_size:
-    parts.append(_block_scale_one_reduction(x[..., whole * block_size :])[..., None])
-  return jnp.concatenate(parts, axis=-1) if len(parts) > 2 else parts[-1]
+    parts.append(reduce(x[..., whole * block_size :])[..., None])
+  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 def _per_element(scales: jax.Array, n: int, block_size: int) -> jax.Array:
@@ -259,20 +259,22 @@ def _check(shape: tuple[int, ...], block_size: int) -> None:
     raise ValueError(f"{block_size=} must be a positive int")
 
 
-def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE) -> QuantizedMoment:
+def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE,
+             one_reduction: bool = True) -> QuantizedMoment:  # fmt: skip
   """Block-wise quantizes a float leaf (ndim >= 1): codes of its shape, float32 scales.
 
   Args:
     x: the moment leaf, any float dtype (computed in float32).
     signed: the signed map (int8 codes, the first moment) or the unsigned one (uint8, the second).
     block_size: elements per block along the last axis.
+    one_reduction: the scales' reduction (`_block_scales`): False inside a Pallas kernel.
 
   Returns:
     ``QuantizedMoment(codes, scales)``.
   """
   _check(x.shape, block_size)
   x = x.astype(jnp.float32)
-  scales = _block_scales(x, block_size)
+  scales = _block_scales(x, block_size, one_reduction)
   codes = encode(x, _per_element(scales, x.shape[-1], block_size), signed=signed)
   return QuantizedMoment(codes, scales)
 

@@ -146,14 +146,23 @@ def test_narrow_moments_are_taken_by_the_kernels(on_a_gpu, one_device, caplog):
 
 
 QUANTIZED = {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}  # 16,384 elements: 8-bit
+PARTIAL_BLOCKS = {"w": jax.ShapeDtypeStruct((64, 300), jnp.float32)}  # 8-bit, a partial last block
 
 
-def test_8bit_moments_fall_back_to_xla(on_a_gpu, one_device, caplog):
-  """The kernels do not dequantize and requantize yet: auto takes XLA and says why; an explicit
-  request warns and runs on XLA (the registry's convention for every fallback)."""
-  kwargs = dict(params=QUANTIZED, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+def test_8bit_moments_are_taken_by_the_kernels(on_a_gpu, one_device, caplog):
+  line = traced_path(caplog, params=QUANTIZED, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+  assert line == f"optax_lamb.lamb: the pallas_triton path ({AUTO_BASIS['pallas_triton']})"
+
+
+def test_8bit_moments_with_partial_blocks_fall_back_to_xla(on_a_gpu, one_device, caplog):
+  """A last axis that is not a multiple of 256: auto takes XLA and says why; an explicit request
+  warns and runs on XLA (the registry's convention for every fallback)."""
+  kwargs = dict(params=PARTIAL_BLOCKS, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
   line = traced_path(caplog, **kwargs)
-  assert line.startswith("optax_lamb.lamb: the xla path (pallas_triton: 8-bit quantized moments")
+  assert line.startswith(
+    "optax_lamb.lamb: the xla path (pallas_triton: 8-bit quantized moments of a leaf of shape "
+    "(64, 300)"
+  ), line
   with pytest.warns(UserWarning, match=r"8-bit quantized moments .* it runs on the xla path\."):
     traced_path(caplog, "pallas_triton", **kwargs)
 

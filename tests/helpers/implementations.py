@@ -17,6 +17,11 @@
   launch, for the property tests' trees of a few elements;
 - ``"pallas-compiled"``: the kernels compiled by Triton, with the tiny blocks
   (a GPU only);
+- ``"pallas-8bit"``: the kernels in interpret mode with blocks of 512 elements
+  (a multiple of the 256 of a quantization block, which 8-bit moments need;
+  3 leaves per launch, pass 2 by XLA from 4,096 elements in ``tx.update``), for
+  the 8-bit moment tests (`tests/backends/test_pallas_8bit.py`); a fallback to
+  the XLA path is an error; ``"pallas-8bit-compiled"``: the same compiled (a GPU only);
 - ``"reference"``: the plain chain of stages.
 
 The configurations are backend objects passed as ``implementation=``; for the
@@ -50,6 +55,9 @@ def _no_fallback():
 PALLAS_BLOCKS = BlockSizes(
   block=128, max_leaves_per_call=3, num_warps=4, sum_block=16, xla_pass2_min_size=256
 )
+EIGHT_BIT_BLOCKS = BlockSizes(
+  block=512, max_leaves_per_call=3, num_warps=4, sum_block=16, xla_pass2_min_size=4096
+)
 TINY_BLOCKS = BlockSizes(
   block=16, max_leaves_per_call=2, num_warps=4, sum_block=16, xla_pass2_min_size=48
 )
@@ -62,6 +70,11 @@ _CONFIGURATIONS = {
   "pallas": (PallasTritonBackend(block_sizes=PALLAS_BLOCKS, interpret=True), _no_fallback),
   "pallas-tiny-blocks": (
     PallasTritonBackend(block_sizes=TINY_BLOCKS, interpret=True),
+    _no_fallback,
+  ),
+  "pallas-8bit": (PallasTritonBackend(block_sizes=EIGHT_BIT_BLOCKS, interpret=True), _no_fallback),
+  "pallas-8bit-compiled": (
+    PallasTritonBackend(block_sizes=EIGHT_BIT_BLOCKS, interpret=False),
     _no_fallback,
   ),
   "pallas-compiled": (

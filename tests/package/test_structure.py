@@ -41,6 +41,7 @@ PALLAS_BACKEND = [
   "backends/pallas_triton/pass1.py",
   "backends/pallas_triton/slice_sums.py",
   "backends/pallas_triton/pass2.py",
+  "backends/pallas_triton/operands.py",
   "backends/pallas_triton/common.py",
 ]
 PALLAS_PATH = XLA_PATH[:2] + PALLAS_BACKEND + XLA_PATH[3:]

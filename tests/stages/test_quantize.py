@@ -202,6 +202,19 @@ def test_eager_and_jit_agree_bit_for_bit(rng) -> None:
     np.testing.assert_array_equal(eager.scales, jitted.scales)
 
 
+@pytest.mark.parametrize("signed", SIGNS)
+def test_the_kernels_plain_max_gives_the_same_codes_and_scales(signed, rng) -> None:
+  """``one_reduction=False`` (the scales by `block_scale`'s plain max, as in the Pallas kernels)
+  against the variadic reduction of the XLA path, bit for bit: zeros, a partial last block,
+  blocks holding NaN, an infinity, the largest float32."""
+  x = ref.moment_like(rng, (4, 700), signed)
+  x[0, :256] = 0
+  x[1, 3], x[2, 300], x[3, 600] = np.nan, -np.inf if signed else np.inf, np.finfo(np.float32).max
+  plain = jax.jit(functools.partial(q.quantize, signed=signed, one_reduction=False))
+  for got, want in zip(plain(jnp.asarray(x)), quantize(jnp.asarray(x), signed=signed), strict=True):
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
 def test_encode_and_decode_are_gather_free_elementwise_arithmetic() -> None:
   """What a Pallas kernel can run on a loaded block: no gathers, sorts or searches."""
   x, s = jnp.ones((4, 256)), jnp.ones((4, 1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -141,8 +141,18 @@ def load_scalars(ref, layout: ScalarLayout) -> StepScalars:
 # ------------------------------------------------------------------------ kernel helpers
 
 
-def chunk(pid, c: LeafChunks, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(slice index, flat offset of the chunk, mask of its valid elements) of program `pid`."""
+class Chunk(NamedTuple):
+  """Program `pid`'s chunk of its leaf (`chunk`)."""
+
+  slice: jax.Array  # the stacked slice index
+  start: jax.Array  # the chunk's flat offset in the leaf
+  mask: jax.Array  # its valid elements
+  within: jax.Array  # its offset in the slice
+  length: int  # L, elements per slice
+
+
+def chunk(pid, c: LeafChunks, block: int) -> Chunk:
+  """Where program `pid`'s chunk lies: its slice, flat offset and valid elements."""
   local = pid - c.first
   if c.leaf.slices == 1:
     s, k = jnp.int32(0), local
@@ -151,7 +161,7 @@ def chunk(pid, c: LeafChunks, block: int) -> tuple[jax.Array, jax.Array, jax.Arr
     k = local - s * c.chunks
   start = k * block
   mask = start + jnp.arange(block, dtype=jnp.int32) < c.leaf.length
-  return s, s * c.leaf.length + start, mask
+  return Chunk(s, s * c.leaf.length + start, mask, start, c.leaf.length)
 
 
 def block_sq_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:

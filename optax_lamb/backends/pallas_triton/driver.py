@@ -15,6 +15,17 @@ Under ``jax.jit`` over sharded arrays this runs on each device's shards
 g, m, v. Where the moments are stored narrower than float32, pass 1 only reads
 and pass 2 recomputes them from g and the old moments, so the update uses the
 unrounded moments, as the XLA path and optax do.
+
+8-bit block-wise quantized moments (``mu_dtype=jnp.int8, nu_dtype=jnp.uint8``)
+are such moments: both passes read the codes and the scales of a chunk's blocks
+and dequantize them in registers; pass 2 requantizes the new moments with
+`optax_lamb._quantize`'s functions and writes codes, scales and the update (or
+p) in the same pass (`operands`). The kernels take them where every
+quantization block lies whole in one chunk: a leaf whose last axis is a multiple
+of 256 and not stacked, with ``BlockSizes.block`` a multiple of 256. A step with
+another quantized leaf (a partial last block, such as a last axis of 300), or
+with 8-bit moments on a mesh outside ``shard_map``, is declined
+(`unsupported_reason` names the leaf's shape) and runs on the XLA path.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from optax_lamb import _ratios
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends import per_device
-from optax_lamb.backends.pallas_triton import common, pass1, pass2, slice_sums
+from optax_lamb.backends.pallas_triton import common, operands, pass1, pass2, slice_sums
 from optax_lamb.backends.pallas_triton.common import BlockSizes
 
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
@@ -93,15 +104,16 @@ class PallasTritonBackend:
         "ONNX Runtime's per-element rules for non-finite values (finite_guard) are not in the "
         "kernels"
       )
+    quantized = False
     for leaf, x in zip(plan.leaves, leaves, strict=True):
       if isinstance(x.m, QuantizedMoment) or isinstance(x.v, QuantizedMoment):
-        return (
-          "8-bit quantized moments (mu_dtype=int8, nu_dtype=uint8): the kernels do not "
-          "dequantize and requantize them yet"
-        )
+        quantized = True
+        reason = operands.unsupported_reason(leaf, self.block_sizes.block)
+        if reason is not None:
+          return reason
       if leaf.size == 0:
         continue
-      dtypes = {"param": x.p.dtype, "mu": x.m.dtype, "nu": x.v.dtype}
+      dtypes = {"param": x.p.dtype, "mu": _dtype(x.m), "nu": _dtype(x.v)}
       for name, dtype in dtypes.items():
         if jnp.dtype(dtype) not in _DTYPES:
           return f"{name} dtype {jnp.dtype(dtype)} (the kernels take float32, bfloat16, float16)"
@@ -109,6 +121,11 @@ class PallasTritonBackend:
         return f"gradient dtype {jnp.dtype(x.g.dtype)} (the kernels take float32 gradients)"
       if leaf.size > common.INT32_LIMIT - self.block_sizes.block:
         return f"a leaf of shape {leaf.shape} has 2**31 or more elements (int32 offsets)"
+    if quantized and per_device.mode(leaves)[0] != per_device.AS_IS:
+      return (
+        "8-bit quantized moments on a mesh outside shard_map (the per-device step does not "
+        "shard codes and scales yet; inside shard_map the kernels take them)"
+      )
     return per_device.unsupported_reason(plan, leaves)
 
   def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
@@ -132,8 +149,8 @@ class PallasTritonBackend:
     tables = common.buckets([leaf for leaf in plan.leaves if leaf.adapt], self.block_sizes)
     parts = []  # per launch, its partial sums [6, program]
     for table in tables:
-      operands = [flat_arrays(leaves[c.leaf.index], _flat) for c in table]
-      written, launch_parts = pass1.moments_and_norms(scalars, operands, table=table, **static)
+      flat = [flat_arrays(leaves[c.leaf.index], operands.flat) for c in table]
+      written, launch_parts = pass1.moments_and_norms(scalars, flat, table=table, **static)
       for c, moments in zip(table, written, strict=True):
         if moments:
           mu[c.leaf.index] = moments["m"].reshape(c.leaf.shape)
@@ -165,10 +182,10 @@ class PallasTritonBackend:
     ]
 
     def take(leaf: LeafPlan, result: dict) -> None:
-      i = leaf.index
+      i, shaped = leaf.index, lambda a: operands.reshape(a, leaf.shape)
       out[i] = result["out"].reshape(leaf.shape)
       if "m" in result:
-        mu[i], nu[i] = result["m"].reshape(leaf.shape), result["v"].reshape(leaf.shape)
+        mu[i], nu[i] = shaped(result["m"]), shaped(result["v"])
 
     in_xla = lambda leaf: not apply and leaf.size >= self.block_sizes.xla_pass2_min_size
     for leaf in plan.leaves:
@@ -176,8 +193,8 @@ class PallasTritonBackend:
         o, s = plan.options, plan.scalars
         take(leaf, pass2.reference(o, s, leaf, inputs(leaf), ratios, apply=False))
     for table in common.buckets([x for x in plan.leaves if not in_xla(x)], self.block_sizes):
-      operands = [inputs(c.leaf, _flat) for c in table]
-      results = pass2.updates(scalars, ratios, operands, table=table, apply=apply, **static)
+      flat = [inputs(c.leaf, operands.flat) for c in table]
+      results = pass2.updates(scalars, ratios, flat, table=table, apply=apply, **static)
       for c, result in zip(table, results, strict=True):
         take(c.leaf, result)
     return out
@@ -217,8 +234,9 @@ def _psum_slots(x: jax.Array, slot_names: list) -> jax.Array:
   return jnp.concatenate(summed)[np.argsort(np.concatenate(groups))]
 
 
-def _flat(x: jax.Array) -> jax.Array:
-  return jnp.reshape(x, (-1,))
+def _dtype(x) -> jnp.dtype:
+  """An operand's dtype; for a quantized moment its scales' (float32; `operands` reads its codes)."""
+  return jnp.dtype((x.scales if isinstance(x, QuantizedMoment) else x).dtype)
 
 
 def flat_arrays(x: LeafArrays, flat) -> dict:

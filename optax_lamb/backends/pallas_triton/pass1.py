@@ -2,7 +2,9 @@
 
 One program per chunk of an adapted leaf, a bucket of leaves per launch. It
 reads p, g, m, v; writes m', v' in place where the moments are stored
-unrounded (else pass 2 recomputes them from g and the old moments); and
+unrounded (else pass 2 recomputes them from g and the old moments: narrow
+dtypes, and 8-bit moments, whose codes and scales it reads and dequantizes
+in registers, `operands`); and
 writes per chunk the partial sums of each squared norm at every
 `_ratios.SCALES` (plain, and scaled for where the plain one over- or
 underflows: extra arithmetic, no extra bytes), which `slice_sums` adds up per
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 
 from optax_lamb import _leaf, _ratios
 from optax_lamb._options import LambOptions
-from optax_lamb.backends.pallas_triton import common
+from optax_lamb.backends.pallas_triton import common, operands
 from optax_lamb.backends.pallas_triton.common import BlockSizes, LeafChunks, Table
 
 _INPUTS = ("g", "m", "p", "v")
@@ -37,16 +39,16 @@ def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, s
   o, s = options, common.load_scalars(scalars_ref, scalar_layout)
 
   def body(pid, j, c) -> None:
-    _, start, mask = common.chunk(pid, c, block)
-    x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
+    ch = common.chunk(pid, c, block)
+    x = {name: operands.load(ref, ch, block) for name, ref in ins[j].items()}
     m, v = _leaf.moments(x["g"], x["m"], x["v"], o, s, p=x["p"], decay=c.leaf.decay)
     # Every input of this chunk is read above, before its alias is written.
     for name, value in (("m", m), ("v", v)):
       if name in moments_out[j]:
-        common.store(moments_out[j][name], start, mask, block, _leaf.stored(value, x[name], s))
+        operands.store(moments_out[j][name], ch, block, _leaf.stored(value, x[name], s))
     u = _leaf.direction(m, v, x["p"], o, s, decay=c.leaf.decay)
     p = _leaf.ratio_params(x["p"], o, s, decay=c.leaf.decay)
-    sums = (*common.block_sq_sums(p, mask), *common.block_sq_sums(u, mask))
+    sums = (*common.block_sq_sums(p, ch.mask), *common.block_sq_sums(u, ch.mask))
     for ref, value in zip(part_refs, sums, strict=True):
       ref[...] = value
 
@@ -65,9 +67,10 @@ def moments_and_norms(scalars, leaves, *, table, options, scalar_layout, block_s
   """
   for j, x in enumerate(leaves):
     for name in _INPUTS:
-      if x[name].shape != x["p"].shape or x[name].ndim != 1:
+      if operands.shape(x[name]) != x["p"].shape or x["p"].ndim != 1:
         raise ValueError(
-          f"leaf {j}: {name}.shape={x[name].shape} must equal p.shape={x['p'].shape} (1-D)"
+          f"leaf {j}: {name}.shape={operands.shape(x[name])} must equal p.shape={x['p'].shape} "
+          "(1-D)"
         )
   like = leaves[0]["p"]
   partial = common.out_struct((common.programs(table),), jnp.float32, like)

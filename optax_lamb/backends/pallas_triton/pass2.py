@@ -4,7 +4,9 @@ One program per chunk, a bucket of leaves per launch. It recomputes u from p
 and the new moments with pass 1's expressions (bit-identical values), or,
 for a leaf pass 1 did not store unrounded moments for (narrow moment dtypes,
 or no adaptation, where pass 1 skips the leaf), from g and the old moments,
-writing the new moments itself. Its jnp twin, `reference`, is also the
+writing the new moments itself: 8-bit ones dequantized, updated and
+requantized per chunk, codes and scales written in place (`operands`) in the
+same pass as the update or p. Its jnp twin, `reference`, is also the
 driver's XLA pass 2 for large leaves in ``tx.update``, which XLA fuses with the
 caller's ``optax.apply_updates``.
 """
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 from optax_lamb import _leaf
 from optax_lamb._options import LambOptions, StepScalars
 from optax_lamb._plan import LeafPlan
-from optax_lamb.backends.pallas_triton import common
+from optax_lamb.backends.pallas_triton import common, operands
 from optax_lamb.backends.pallas_triton.common import BlockSizes, Table
 
 
@@ -37,14 +39,17 @@ def _outputs_like(leaf: LeafPlan) -> dict[str, str]:
   return {"out": "p", "m": "m", "v": "v"} if from_grads(leaf) else {"out": "p"}
 
 
-def _leaf_step(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratio, *,
-               apply: bool) -> dict:  # fmt: skip
-  """The outputs of one leaf (or one chunk of it), from its named inputs."""
+def _leaf_step(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratio, *, apply: bool,
+               kernel: bool = False) -> dict:  # fmt: skip
+  """The outputs of one leaf (or one chunk of it), from its named inputs; 8-bit moments
+  requantized by a plain max in a `kernel` (`_leaf.stored`: the same codes and scales)."""
   out = {}
   m, v = x["m"], x["v"]
   if from_grads(leaf):
     m, v = _leaf.moments(x["g"], m, v, o, s, p=x["p"], decay=leaf.decay)
-    out["m"], out["v"] = _leaf.stored(m, x["m"], s), _leaf.stored(v, x["v"], s)
+    out["m"], out["v"] = (
+      _leaf.stored(new, x[name], s, one_reduction=not kernel) for name, new in (("m", m), ("v", v))
+    )
   u = _leaf.direction(m, v, x["p"], o, s, decay=leaf.decay)
   ratio = ratio if leaf.adapt else None
   out["out"] = _leaf.update(u, x["p"], ratio, o, s, apply=apply, decay=leaf.decay)
@@ -69,11 +74,11 @@ def kernel(
   s = common.load_scalars(scalars_ref, scalar_layout)
 
   def body(pid, j, c) -> None:
-    slice_index, start, mask = common.chunk(pid, c, block)
-    x = {name: common.load(ref, start, mask, block) for name, ref in ins[j].items()}
-    ratio = ratios_ref[c.leaf.ratio_offset + slice_index] if c.leaf.adapt else None
-    for name, value in _leaf_step(options, s, c.leaf, x, ratio, apply=apply).items():
-      common.store(outs[j][name], start, mask, block, value)
+    ch = common.chunk(pid, c, block)
+    x = {name: operands.load(ref, ch, block) for name, ref in ins[j].items()}
+    ratio = ratios_ref[c.leaf.ratio_offset + ch.slice] if c.leaf.adapt else None
+    for name, value in _leaf_step(options, s, c.leaf, x, ratio, apply=apply, kernel=True).items():
+      operands.store(outs[j][name], ch, block, value)
 
   common.for_each_leaf(table, body)
 
@@ -101,20 +106,16 @@ def updates(
   """
   inputs = [{n: x[n] for n in input_names(c.leaf)} for c, x in zip(table, leaves, strict=True)]
   outputs = [
-    {
-      name: common.out_struct(x[like].shape, x[like].dtype, x[like])
-      for name, like in _outputs_like(c.leaf).items()
-    }
+    {name: operands.out_like(x[like]) for name, like in _outputs_like(c.leaf).items()}
     for c, x in zip(table, inputs, strict=True)
   ]
 
-  def overwrites(
-    path,
-  ) -> tuple | None:  # (j, name) -> (j, the input it overwrites); the updates only with apply
+  def overwrites(path) -> tuple | None:
+    """(j, name, *codes or scales) -> the input it overwrites; the updates only with apply."""
     j, name = path[0].idx, path[1].key
     if name == "out" and not apply:
       return None
-    return (path[0], jax.tree_util.DictKey(_outputs_like(table[j].leaf)[name]))
+    return (path[0], jax.tree_util.DictKey(_outputs_like(table[j].leaf)[name]), *path[2:])
 
   return common.launch(
     kernel,
@@ -139,9 +140,10 @@ def reference(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratios, *
   `x` holds the leaf's `input_names`; `ratios` is the step's whole ratio vector.
   """
   shape = jnp.shape(x["p"])
-  # One row per stacked slice (a bitcast in XLA), so each row takes its slice's ratio.
-  rows = {name: jnp.reshape(a, (leaf.slices, leaf.length)) for name, a in x.items()}
+  # One row per stacked slice (a bitcast in XLA), so each row takes its slice's ratio; an 8-bit
+  # moment's rows hold whole blocks (`operands`).
+  rows = {name: operands.reshape(a, (leaf.slices, leaf.length)) for name, a in x.items()}
   ratio = ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices, None]
   out = _leaf_step(o, s, leaf, rows, ratio, apply=apply)
-  stored = {"m": x["m"].dtype, "v": x["v"].dtype, "out": x["p"].dtype}
-  return {name: jnp.reshape(a.astype(stored[name]), shape) for name, a in out.items()}
+  out["out"] = out["out"].astype(x["p"].dtype)  # the moments are stored in their dtypes
+  return {name: operands.reshape(a, shape) for name, a in out.items()}
