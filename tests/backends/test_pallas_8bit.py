@@ -174,7 +174,13 @@ def _lamb(implementation, **kwargs):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("fused", [False, True], ids=["update", "update_and_apply"])
+@pytest.mark.parametrize(
+  "fused",
+  [
+    pytest.param(False, id="update"),
+    pytest.param(True, id="update_and_apply", marks=pytest.mark.slow),
+  ],
+)  # update_and_apply: 10 s interpreted, CI runs it
 def test_step_agrees_with_the_xla_path(fused, interpret, rng):
   """Three steps, each from the XLA path's params and state: the same moments (see the module
   docstring), params and trust ratios to the implementations' rtol. In ``tx.update`` the leaves
