@@ -72,6 +72,14 @@ CONFIGURATIONS: dict[str, Configuration] = {
   "lamb, 8-bit moments": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
   ),
+  "update_and_apply, bfloat16 moments": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    fused=True,
+  ),
+  "update_and_apply, 8-bit moments": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.int8, nu_dtype=jnp.uint8),
+    fused=True,
+  ),
   "lamb, bfloat16 params, master weights": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, master_weights=True), param_dtype=jnp.bfloat16
   ),

@@ -3,18 +3,17 @@ XLA would give several param-sized intermediates, reading each leaf many times).
 
 * pass 1 (reads g, m, v, p; writes m, v in place) updates the moments and yields the two
   squared norms ||p||^2 and ||u||^2 from one reduction;
-* the ratios of all leaves, from the two squared-norm vectors (`_ratios.ratio_vector`; where a
-  plain sum over- or underflowed, from its scaled sums, computed only then, under ``lax.cond``,
-  whose operands are kept few: XLA:CPU spends about 1 us a call on each);
+* the ratios, from the two squared-norm vectors (`_ratios.ratio_vector`; where a plain sum
+  over- or underflowed, from its scaled sums, only then, under ``lax.cond``, whose operands are
+  kept few: XLA:CPU spends about 1 us a call on each);
 * pass 2 (reads p, m, v; writes p or the updates in place) recomputes u from the new moments
-  with the identical expressions (bit-identical to pass 1's) and applies ratio and learning rate.
+  (bit-identical to pass 1's) and applies ratio and learning rate.
 
-An `optimization_barrier` between the passes stops XLA from merging the two computations of u
-(which would materialise u). Moments stored narrower than computed: pass 2 recomputes them from
-the old ones, so u never sees the rounding. The smallest leaves, up to `materialize_u_max_size`
-elements in all, keep u between the norm and the update; on one device their sums come from
-zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us a call). Leaves
-without adaptation take one pass. Every formula is `_leaf`'s, every norm `_ratios`'.
+An `optimization_barrier` between the passes keeps u a recomputation, not a stored copy. Moments
+stored narrower than computed: pass 2 recomputes them from the old ones (u never sees their
+rounding). The smallest leaves, `materialize_u_max_size` elements in all, keep u; on one device
+their sums come from zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us
+a call). Every formula is `_leaf`'s, every norm `_ratios`'.
 """
 
 from __future__ import annotations
@@ -42,9 +41,8 @@ class XlaBackend:
     materialize_u_max_size: the smallest leaves, up to this many elements in all
       (4K: 16 KiB of float32), keep u in memory between the norm and the update;
       the others recompute it.
-    joint_small_sums: the sums of leaves that keep u from zero-padded rows (one reduction
-      per width, not two per leaf), other small leaves' sums in one reduction (XLA:CPU
-      stores a lone sum's input). None: on one device, no mesh set (`_ratios.one_device`).
+    joint_small_sums: kept-u leaves' sums from zero-padded rows (a reduction per width),
+      other small leaves' in one reduction each. None: `_ratios.one_device()`.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
@@ -131,9 +129,7 @@ def rows_sq_sums(rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax
   input's `slot_scales` vector, or 1."""
   out = []
   for arrays, members in zip(rows.groups, rows.members, strict=True):
-    slots = np.concatenate(
-      [np.arange(layout.offsets[i], layout.offsets[i + 1]) for i, _ in members]
-    )
+    slots = np.concatenate([np.arange(*layout.offsets[i : i + 2]) for i, _ in members])
     scales: list = [x[slots] for x in slot_scales] or [1.0] * len(arrays)
     terms = tuple(_ratios.squares(a, s) for a, s in zip(arrays, scales, strict=True))
     out.append(_ratios.small_sums(terms, 1, joint=True))
@@ -186,8 +182,7 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_ro
     g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay)
     u = _leaf.adam_direction(m_c, v_c, s)
     kept = _ratios.caution_fraction(u, g, k, leaf.axis_name, joint)
-    # u again after the barrier: kept in memory between the two reductions, it would be
-    # a parameter-sized temporary.
+    # u again after the barrier: kept between the two reductions, it would be param-sized.
     m_c, v_c, x, kept = jax.lax.optimization_barrier((m_c, v_c, x, kept))
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
@@ -260,12 +255,8 @@ def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p
 
 def _pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *,
            apply: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-  """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1.
-
-  Moments stored narrower than they are computed are written here, recomputed from g and
-  the old moments, not by pass 1: pass 1 only reads them, so each buffer is read and
-  written in place in one pass (u never sees their rounding).
-  """
+  """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1
+  (narrow moments: `_narrow_pass2`; pass 1 only read them, u never sees their rounding)."""
   o, s = plan.options, plan.scalars
   p, u = x.p, first.u
   if leaf.narrow_moments and (u is None or not leaf.adapt):
@@ -284,16 +275,25 @@ def _pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, 
 def _narrow_pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *,
                   apply: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
   """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
-  update), the moments recomputed from g and the old ones, which pass 1 only read.
-
-  XLA:CPU computes the three in separate fusions that each read the old moments, so it
-  copies the donated moment buffers: the moments' bytes in temporaries (benchmarks/NOTES.md,
-  "Memory"). The Pallas kernels write all three in one kernel.
-  """
+  update), the moments recomputed from g and the old ones, which pass 1 only read. XLA:CPU
+  writes the three in separate fusions that each read the old moments: with `apply` the
+  moments' come after p's (`_zero_after`); the update of ``tx.update`` is written by the
+  caller, so XLA copies the old moments there (docs/memory.md)."""
   o, s = plan.options, plan.scalars
   # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
   x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
+  if apply and leaf.size:  # g itself, bit for bit, as another expression (no CSE with u's)
+    g = x.g - _zero_after(out, x.g)
+    m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   return (out, *_leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay))
+
+
+def _zero_after(p: jax.Array, g: jax.Array) -> jax.Array:
+  """0 in g's dtype from a conditional on the new params (XLA fuses nothing across one): what uses
+  it runs after p, the old moments' last reader, so XLA writes the new ones over them, no copy."""
+  first = lambda q: jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0)  # 0, or NaN
+  zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda q: jnp.zeros((), g.dtype), p)
+  return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)

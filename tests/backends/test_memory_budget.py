@@ -172,8 +172,9 @@ def test_master_weights_stay_within_the_budget(name):
 
 @pytest.mark.parametrize("name", list(NARROW_MOMENTS))
 def test_narrow_moments_cost_at_most_their_copy(name):
-  """XLA:CPU writes the moments and the params in separate fusions that read the old moments,
-  so it copies them: at most the moments' bytes beyond the budget (docs/memory.md). 8-bit
+  """XLA:CPU writes the moments and the params in separate fusions that read the old moments;
+  in ``tx.update`` the caller writes the params, so XLA copies the moments: at most the moments'
+  bytes beyond the budget (docs/memory.md). 8-bit
   moments: their codes (1 byte a parameter each; the scales, 4/256 of a byte, fall within the
   budget); the moments dequantized and requantized are never written out in float32."""
   mu_dtype, nu_dtype = NARROW_MOMENTS[name]
@@ -212,6 +213,18 @@ def test_a_tree_of_small_leaves_on_several_devices_costs_more():
   assert not _ratios.one_device()
   temps, param_bytes = _temporaries(CONFIGURATIONS["lamb"](), shapes=SMALL_SHAPES)
   assert temps > _budget(param_bytes), temps / param_bytes
+
+
+@pytest.mark.parametrize("name", list(NARROW_MOMENTS))
+def test_narrow_moments_in_update_and_apply_stay_within_the_budget(name):
+  """`update_and_apply` writes the params itself: the moments' writes are ordered after it
+  (`backends.xla._zero_after`), so XLA:CPU writes them in place, no copy (tx.update: above)."""
+  mu_dtype, nu_dtype = NARROW_MOMENTS[name]
+  stacked = STACKED if "stacked" in name else None
+  tx = optax_lamb.lamb(LR, mu_dtype=mu_dtype, nu_dtype=nu_dtype, skip_nonfinite="skip" in name,
+                       stacked_axes=stacked)  # fmt: skip
+  temps, param_bytes = _temporaries(tx, fused=True)
+  assert temps <= _budget(param_bytes), (name, temps / param_bytes)
 
 
 def test_optax_lamb_is_the_anchor():
