@@ -215,7 +215,13 @@ def test_a_tree_of_small_leaves_on_several_devices_costs_more():
   assert temps > _budget(param_bytes), temps / param_bytes
 
 
-@pytest.mark.parametrize("name", list(NARROW_MOMENTS))
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param(n, marks=() if n == "8-bit moments, skip, stacked" else pytest.mark.slow)
+    for n in NARROW_MOMENTS
+  ],
+)
 def test_narrow_moments_in_update_and_apply_stay_within_the_budget(name):
   """`update_and_apply` writes the params itself: the moments' writes are ordered after it
   (`backends.xla._zero_after`), so XLA:CPU writes them in place, no copy (tx.update: above)."""
