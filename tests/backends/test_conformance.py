@@ -31,3 +31,7 @@ class TestPallasCompiled(Conformance):
 
 class TestReference(Conformance):
   IMPLEMENTATION = "reference"
+
+  @pytest.mark.slow  # 30 s on 2 cores (hypothesis, 25 examples): CI runs it
+  def test_agrees_with_xla_step_by_step_on_random_options(self):
+    Conformance.test_agrees_with_xla_step_by_step_on_random_options(self)
