@@ -159,6 +159,7 @@ def test_a_block_that_says_what_it_prints_runs_alone_and_prints_it(page, number,
   assert out.getvalue().splitlines() == expected, f"{page} block {number}"
 
 
+@pytest.mark.slow  # 30 s: every rendered block from the committed results; CI runs it
 def test_readme_and_recipe_numbers_are_rendered_from_the_committed_results():
   spec = importlib.util.spec_from_file_location("_render", os.path.join(ROOT, "docs", "_render.py"))
   render = importlib.util.module_from_spec(spec)

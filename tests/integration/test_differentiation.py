@@ -80,8 +80,12 @@ def test_grad_with_respect_to_params_is_finite_when_every_gradient_is_zero():
 
 
 @pytest.mark.parametrize(
-  "implementation", [pytest.param("pallas", marks=pytest.mark.slow), "reference"]
-)  # the kernels interpreted (17 s): CI runs them
+  "implementation",
+  [
+    pytest.param("pallas", marks=pytest.mark.slow),
+    pytest.param("reference", marks=pytest.mark.slow),
+  ],
+)  # the kernels interpreted (17 s), the stage chain (12 s): CI runs them
 def test_jvp_and_vjp_equal_the_xla_paths(implementation, rng):
   """With respect to params and gradients together, forward and reverse mode."""
   params, grads = _problem(rng)

@@ -62,6 +62,7 @@ def test_nnx_optimizer_matches_plain_loop(rng):
   ) <= {()}
 
 
+@pytest.mark.slow  # 22 s: a Linen training loop; CI runs it (the NNX tests and the demo stay)
 def test_linen_loop_decreases_loss(rng):
   x = jnp.asarray(rng.standard_normal((64, 4)), jnp.float32)
   y = x @ jnp.asarray(rng.standard_normal((4, 1)), jnp.float32)
