@@ -1,5 +1,5 @@
 """The trust ratio over a tree, in one place: norm sums from a leaf's chunks, their sums over
-mapped axes and stacked slices, the ratio vector and its layout (the clipping norm: `_tree_norm`).
+mapped axes and stacked slices, the ratio vector and its layout (the clipping norm: `_plan`).
 
 Squared norms are accumulated in float32 (at least). A float32 sum of squares
 overflows for elements near 1e19 and underflows for elements near 1e-19; the
@@ -46,8 +46,7 @@ def squares(x: jax.Array, scale: Any = 1.0) -> jax.Array:
 def sq_norm(x: jax.Array, stacked_axes: int = 0, joint: bool = False,
             scale: Any = 1.0) -> jax.Array:  # fmt: skip
   """Sum of (x s)^2 over all but the first `stacked_axes` axes, in one plain reduction (a small
-  leaf with `joint`: `small_sums`)."""
-  joint = joint and math.prod(jnp.shape(x)) < BLOCKED_FROM
+  slice with `joint`: `small_sums`)."""
   return _reduced((squares(x, scale),), stacked_axes, 1, False, joint)[0]
 
 
@@ -113,11 +112,12 @@ def _small_sums(terms: tuple, stacked_axes: int, joint: bool) -> tuple:
   """The terms' sums without blocks. Not `joint`: one reduction per term, which XLA's
   partitioner splits over devices. `joint`: one for all (a lone term: its two halves), a loop
   over the terms' producers: XLA:CPU rewrites a lone sum over a small leaf into partial sums
-  whose input it stores (the leaf's size in temporaries); the partitioner would gather it."""
-  if not joint:
-    return tuple(jnp.sum(q, axis=tuple(range(stacked_axes, jnp.ndim(q)))) for q in terms)
+  whose input it stores (the leaf's size in temporaries); the partitioner would gather it. Only
+  for slices under BLOCKED_FROM elements (a long one's lone sum is left to XLA as it is)."""
   shape = jnp.shape(terms[0])
   n = math.prod(shape[stacked_axes:])
+  if not joint or n >= BLOCKED_FROM:
+    return tuple(jnp.sum(q, axis=tuple(range(stacked_axes, jnp.ndim(q)))) for q in terms)
   flat = tuple(jnp.reshape(q, shape[:stacked_axes] + (n,)) for q in terms)
   if len(terms) == 1 and n > 1:
     half, (q,) = n // 2, flat
