@@ -84,6 +84,7 @@ def test_linen_loop_decreases_loss(rng):
   assert final["ours"] < 0.5 * first
 
 
+@pytest.mark.slow  # a subprocess, 8 s; CI runs it
 def test_demo_runs_and_loss_falls():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers.lamb_reference import NumpyLamb
 
 import optax_lamb
@@ -83,6 +84,7 @@ def test_float32_drift_against_float64_reference(seed):
   assert worst < BOUND
 
 
+@pytest.mark.slow  # 6 s; CI runs it
 def test_bfloat16_master_weights_drift(seed):
   """bfloat16 params with float32 master weights: the drift is bfloat16 rounding, not growth."""
   final, worst, _ = run_long(jnp.bfloat16, master_weights=True, seed=seed)

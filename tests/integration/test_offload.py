@@ -47,7 +47,9 @@ def _apply(tx, params, state, grads):
 
 
 @pytest.mark.parametrize("compute", ["device", "host"])
-@pytest.mark.parametrize("inner", list(INNERS))
+@pytest.mark.parametrize(  # skip + master weights: 6-7 s each, CI runs them (-m slow)
+  "inner", [pytest.param(n, marks=pytest.mark.slow) if "master" in n else n for n in INNERS]
+)
 def test_offloaded_state_stays_on_the_host_and_gives_the_same_steps(inner, compute):
   params = make_params()
   steps = [make_grads(params, t) for t in range(3)]
@@ -75,7 +77,9 @@ def test_a_skipped_step_keeps_the_offloaded_state(compute):
   assert _kinds(new_state) == {"pinned_host"}
 
 
-@pytest.mark.parametrize("compute", ["device", "host"])
+@pytest.mark.parametrize(  # device: 7 s, CI runs it (-m slow)
+  "compute", [pytest.param("device", marks=pytest.mark.slow), "host"]
+)
 def test_multisteps_inside_an_offload(compute):
   params = make_params()
   grads = [make_grads(params, t) for t in range(4)]
@@ -107,7 +111,9 @@ def test_sharded_params_keep_their_shardings_in_host_memory(compute):
   np.testing.assert_allclose(new_params["w"], want["w"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("compute", ["device", "host"])
+@pytest.mark.parametrize(  # device: 8 s, CI runs it (-m slow)
+  "compute", [pytest.param("device", marks=pytest.mark.slow), "host"]
+)
 def test_8bit_moments_keep_the_params_shardings_in_host_memory(compute):
   mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
   params = {"w": jnp.arange(64.0 * 1024).reshape(64, 1024) / 65536, "b": jnp.ones(8)}

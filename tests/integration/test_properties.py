@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import seeds
 from helpers.asserts import IMPLEMENTATION_RTOL, assert_close_to_reference
 from helpers.lamb_reference import NumpyLamb as ReferenceLamb
@@ -49,6 +50,7 @@ def is_finite_tree(tree):
   return all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow  # 10 s; CI runs it
 @SETTINGS
 @given(problem=problems(), master=st.booleans())
 def test_finite_dtype_clamp_and_zero_leaves(problem, master):

@@ -57,12 +57,9 @@ def lamb(implementation="xla", **kwargs):
   )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-  "layout", ["whole-blocks", pytest.param("straddling", marks=pytest.mark.slow)]
-)  # straddling: 12 s, CI runs it
-@pytest.mark.parametrize(
-  "implementation", ["xla", pytest.param("reference", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # 12-16 s a case (8 devices' compiles), CI runs it
+@pytest.mark.parametrize("layout", ["whole-blocks", "straddling"])
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
 def test_sharded_update_stores_the_single_device_codes(implementation, layout, rng):
   m, tx = mesh(), lamb(implementation)
   specs = SPECS if layout == "whole-blocks" else STRADDLING
@@ -102,7 +99,11 @@ def restore(path, tree, template):
   return checkpointer.restore(path, target)
 
 
-@pytest.mark.parametrize("skip_nonfinite", [False, True], ids=["plain", "skip_nonfinite"])
+@pytest.mark.parametrize(  # skip_nonfinite: 8 s, CI runs it (-m slow)
+  "skip_nonfinite",
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["plain", "skip_nonfinite"],
+)
 def test_orbax_round_trip_and_bit_identical_resume(skip_nonfinite, tmp_path, rng):
   tx = lamb(skip_nonfinite=skip_nonfinite)
   step = jax.jit(tx.update)

@@ -136,7 +136,11 @@ def lamb_kwargs():
   )  # fmt: skip
 
 
-@pytest.mark.parametrize("skip_nonfinite", [False, True], ids=["plain", "skip_nonfinite"])
+@pytest.mark.parametrize(  # skip_nonfinite: 7 s, CI runs it (-m slow)
+  "skip_nonfinite",
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["plain", "skip_nonfinite"],
+)
 def test_xla_stores_the_reference_codes_and_scales_bit_for_bit(skip_nonfinite):
   """From the same state, both paths store the same codes and scales (the same float32 moments,
   quantized by the same function). The updates and ratios agree to a few float32 roundings,
