@@ -117,9 +117,9 @@ def adam_stage(
       names = _checks.resolve_axis_names(axis_name, params)
       kept = [_ratios.caution_fraction(*x) for x in zip(us, gs, axes, names, strict=True)]
       us = list(map(_leaf.cautious, us, gs, kept))
-    store = _moment_storage.store
-    mu = treedef.unflatten([store(m, old) for (m, _), old in zip(moments, ms, strict=True)])
-    nu = treedef.unflatten([store(v, old) for (_, v), old in zip(moments, vs, strict=True)])
+    store = _moment_storage.store_all  # a leaf's two moments in one pass where both quantize
+    stored = [store([m, v], [om, ov]) for (m, v), om, ov in zip(moments, ms, vs, strict=True)]
+    mu, nu = (treedef.unflatten([x[i] for x in stored]) for i in (0, 1))
     return treedef.unflatten(us), optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
   return optax.GradientTransformation(init_fn, update_fn)

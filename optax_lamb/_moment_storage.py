@@ -1,7 +1,7 @@
 """How a moment leaf is stored: a float array of its dtype, or 8-bit block-wise quantized.
 
 ``mu_dtype=jnp.int8`` / ``nu_dtype=jnp.uint8`` select the block-wise quantized storage of
-`optax_lamb._quantize` (never a plain cast): a leaf that `_quantize.quantizes` is stored as a
+`optax_lamb._quantize` (never a plain cast): a leaf that `quantizes` is stored as a
 `QuantizedMoment` (int8 codes of the signed map for m, uint8 codes of the unsigned map for v,
 float32 scales per block of 256 along the last axis); a smaller leaf (under 4,096 elements,
 0-d, or a last axis of 1) keeps float32. The layout depends on the param's shape only.
@@ -23,6 +23,7 @@ from optax_lamb import _quantize
 from optax_lamb._quantize import QuantizedMoment
 
 QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
+MIN_SIZE = 4096  # smaller leaves stay float32 (bitsandbytes' min_8bit_size)
 
 
 def is_quantized_dtype(dtype: Any) -> bool:
@@ -35,16 +36,29 @@ def is_quantized(stored: Any) -> bool:
   return isinstance(stored, QuantizedMoment)
 
 
+def quantizes(
+  shape: tuple[int, ...], block_size: int = _quantize.BLOCK_SIZE, min_size: int = MIN_SIZE
+) -> bool:
+  """Whether a leaf of ``shape`` is stored quantized. 0-d leaves and leaves under ``min_size``
+  elements stay float32 (biases, LayerNorm scales: a negligible share of the bytes), and so do
+  leaves whose codes and scales would not be smaller than float32 (a last axis of 1)."""
+  size = int(np.prod(shape)) if shape else 1
+  if not shape or size < min_size:
+    return False
+  quantized_bytes = size + 4 * int(np.prod(_quantize.scales_shape(shape, block_size)))
+  return quantized_bytes < 4 * size
+
+
 def init(param: Any, dtype: Any) -> Any:
   """The zero moment of `param` stored in `dtype` (None: the param's dtype).
 
   For a quantized dtype: ``QuantizedMoment(codes 0, scales 0)`` where the leaf is large
-  enough (`_quantize.quantizes`), else float32 zeros. The codes keep the param's sharding.
+  enough (`quantizes`), else float32 zeros. The codes keep the param's sharding.
   """
   if not is_quantized_dtype(dtype):
     return jnp.zeros_like(param, dtype=dtype)
   shape = tuple(jnp.shape(param))
-  if not _quantize.quantizes(shape):
+  if not quantizes(shape):
     return jnp.zeros_like(param, dtype=QUANTIZED_FALLBACK)
   codes = jnp.zeros_like(param, dtype=dtype)
   scales = jnp.zeros(_quantize.scales_shape(shape), jnp.float32)
@@ -83,13 +97,38 @@ def store(moment: jax.Array, old: Any, take: Any = None, *, one_reduction: bool 
   """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
   `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step).
   `one_reduction`: False in a Pallas kernel (`_quantize.quantize`; the same codes and scales)."""
-  new: Any
-  if is_quantized(old):  # integer codes: no derivative flows into the stored moment
-    moment = jax.lax.stop_gradient(moment)
-    new = _quantize.quantize(moment, signed(old), one_reduction=one_reduction)
-  else:
-    new = moment.astype(old.dtype)
-  if take is None:
-    return new
-  keep = jnp.asarray(take) != 0
-  return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+  return store_all([moment], [old], take, one_reduction=one_reduction)[0]
+
+
+def store_all(moments: list, olds: list, take: Any = None, *, one_reduction: bool = True) -> list:
+  """`store` of each moment like its old one; those stored quantized (one shape: a leaf's m and
+  v) from one reduction of their block scales (`_quantize.quantize_all`)."""
+  new = [m if is_quantized(o) else m.astype(o.dtype) for m, o in zip(moments, olds, strict=True)]
+  quantized = [i for i, old in enumerate(olds) if is_quantized(old)]
+  if quantized:  # integer codes: no derivative flows into the stored moment
+    xs = [jax.lax.stop_gradient(moments[i]) for i in quantized]
+    codes = _quantize.quantize_all(
+      xs, [signed(olds[i]) for i in quantized], one_reduction=one_reduction
+    )
+    new = [codes[quantized.index(i)] if i in quantized else x for i, x in enumerate(new)]
+  if take is not None:
+    keep = jnp.asarray(take) != 0
+    where = lambda n, o: jnp.where(keep, n, o)
+    new = [jax.tree.map(where, x, old) for x, old in zip(new, olds, strict=True)]
+  if one_reduction:  # XLA: decoding the old codes reads the old scales; the new scales, defined
+    # after the new codes, are written over them in place (before, XLA would copy the old ones)
+    new = [_scales_after_codes(x) if is_quantized(x) else x for x in new]
+  return new
+
+
+def _scales_after_codes(x: QuantizedMoment) -> QuantizedMoment:
+  return x._replace(scales=x.scales + zero_after(x.codes, x.scales))
+
+
+def zero_after(p: jax.Array, g: jax.Array) -> jax.Array:
+  """0 in g's dtype from a conditional on `p` (XLA fuses nothing across one): what uses it runs
+  after `p` is written, so an in-place write that must follow the last read of an old value (the
+  new moments after the new params, the new scales after the new codes) needs no copy."""
+  first = lambda q: jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0)  # 0, or NaN
+  zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda q: jnp.zeros((), g.dtype), p)
+  return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)

@@ -52,7 +52,6 @@ import numpy as np
 from jax import lax
 
 BLOCK_SIZE = 256  # elements per scale: 2 + 8/256 = 2.03 bytes a parameter for both moments
-MIN_SIZE = 4096  # smaller leaves stay float32 (bitsandbytes' min_8bit_size)
 _DECADES = 7
 
 
@@ -201,14 +200,20 @@ def block_scale(x: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.where(jnp.isinf(s), jnp.nan, s)
 
 
-def _block_scale_one_reduction(x: jax.Array) -> jax.Array:
-  """`block_scale` along the last axis in one variadic reduction (max |x|, any non-finite): XLA:CPU
-  hands a lone max to a library that reads its input from memory (a param-sized temporary)."""
-  a = jnp.abs(x.astype(jnp.float32))
-  init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.bool_))
-  combine = lambda u, w: (jnp.maximum(u[0], w[0]), jnp.logical_or(u[1], w[1]))
-  s, bad = lax.reduce((a, jnp.logical_not(jnp.isfinite(a))), init, combine, (x.ndim - 1,))
-  return jnp.where(bad, jnp.nan, s)
+def _joint_block_scales(xs: list[jax.Array]) -> list[jax.Array]:
+  """`block_scale` of each of ``xs`` (one shape) along the last axis in one variadic reduction:
+  XLA:CPU hands a lone max to a library that reads its input from memory (a param-sized temporary).
+  Two or more: NaN counts as infinity in the max; a lone one is paired with its non-finite flags."""
+  a, axis = [jnp.abs(x.astype(jnp.float32)) for x in xs], (xs[0].ndim - 1,)
+  if len(a) == 1:
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.bool_))
+    combine = lambda u, w: (jnp.maximum(u[0], w[0]), jnp.logical_or(u[1], w[1]))
+    s, bad = lax.reduce((a[0], jnp.logical_not(jnp.isfinite(a[0]))), init, combine, axis)
+    return [jnp.where(bad, jnp.nan, s)]
+  ops = tuple(jnp.where(jnp.isnan(y), jnp.inf, y) for y in a)
+  init = (jnp.zeros((), jnp.float32),) * len(ops)
+  maxima = lax.reduce(ops, init, lambda u, w: tuple(map(jnp.maximum, u, w)), axis)
+  return [jnp.where(jnp.isinf(s), jnp.nan, s) for s in maxima]
 
 
 def scales_shape(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[int, ...]:
@@ -218,31 +223,18 @@ def scales_shape(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[
   return (*shape[:-1], -(-shape[-1] // block_size))
 
 
-def quantizes(
-  shape: tuple[int, ...], block_size: int = BLOCK_SIZE, min_size: int = MIN_SIZE
-) -> bool:
-  """Whether a leaf of ``shape`` is stored quantized. 0-d leaves and leaves under ``min_size``
-  elements stay float32 (biases, LayerNorm scales: a negligible share of the bytes), and so do
-  leaves whose codes and scales would not be smaller than float32 (a last axis of 1)."""
-  size = int(np.prod(shape)) if shape else 1
-  if not shape or size < min_size:
-    return False
-  quantized_bytes = size + 4 * int(np.prod(scales_shape(shape, block_size)))
-  return quantized_bytes < 4 * size
-
-
-def _block_scales(x: jax.Array, block_size: int, one_reduction: bool = True) -> jax.Array:
-  """The scales of float32 ``x``: its whole blocks reduced in place (no padded copy of ``x``), the
-  partial last one apart; by `_block_scale_one_reduction` (XLA) or else `block_scale` (in a Pallas
-  Triton kernel, which has no variadic reduction): the same scales, a max being exact."""
-  n, whole = x.shape[-1], x.shape[-1] // block_size
-  reduce = _block_scale_one_reduction if one_reduction else block_scale
-  parts = [] if n else [jnp.zeros((*x.shape[:-1], 0), jnp.float32)]  # n = 0: no blocks
-  if whole:
-    parts.append(reduce(x[..., : whole * block_size].reshape(*x.shape[:-1], whole, block_size)))
+def _block_scales(xs: list[jax.Array], block_size: int, one_reduction: bool) -> list[jax.Array]:
+  """The scales of each float32 x of ``xs`` (one shape): whole blocks reduced in place (no padded
+  copy), the partial last one apart; by `_joint_block_scales`, or `block_scale` in a Pallas Triton
+  kernel (no variadic reduction there): the same scales, a max being exact."""
+  lead, n = xs[0].shape[:-1], xs[0].shape[-1]
+  whole = n // block_size
+  reduce = _joint_block_scales if one_reduction else lambda ys: [block_scale(y) for y in ys]
+  parts = [reduce([x[..., : whole * block_size].reshape(*lead, whole, block_size) for x in xs])]
   if n % block_size:
-    parts.append(reduce(x[..., whole * block_size :])[..., None])
-  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    parts.append([s[..., None] for s in reduce([x[..., whole * block_size :] for x in xs])])
+  parts = parts[1:] if not whole and n else parts  # a last axis shorter than a block
+  return [jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0] for p in zip(*parts, strict=True)]
 
 
 def _per_element(scales: jax.Array, n: int, block_size: int) -> jax.Array:
@@ -261,22 +253,24 @@ def _check(shape: tuple[int, ...], block_size: int) -> None:
 
 def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE,
              one_reduction: bool = True) -> QuantizedMoment:  # fmt: skip
-  """Block-wise quantizes a float leaf (ndim >= 1): codes of its shape, float32 scales.
+  """Block-wise quantizes a float leaf (ndim >= 1, any float dtype, computed in float32): codes of
+  its shape (int8 with the ``signed`` map, the first moment; uint8 unsigned, the second) and float32
+  scales per ``block_size`` elements of the last axis (their reduction: `_block_scales`;
+  ``one_reduction`` False inside a Pallas kernel)."""
+  return quantize_all([x], [signed], block_size=block_size, one_reduction=one_reduction)[0]
 
-  Args:
-    x: the moment leaf, any float dtype (computed in float32).
-    signed: the signed map (int8 codes, the first moment) or the unsigned one (uint8, the second).
-    block_size: elements per block along the last axis.
-    one_reduction: the scales' reduction (`_block_scales`): False inside a Pallas kernel.
 
-  Returns:
-    ``QuantizedMoment(codes, scales)``.
-  """
-  _check(x.shape, block_size)
-  x = x.astype(jnp.float32)
-  scales = _block_scales(x, block_size, one_reduction)
-  codes = encode(x, _per_element(scales, x.shape[-1], block_size), signed=signed)
-  return QuantizedMoment(codes, scales)
+def quantize_all(xs: list[jax.Array], signed: list[bool], *, block_size: int = BLOCK_SIZE,
+                 one_reduction: bool = True) -> list[QuantizedMoment]:  # fmt: skip
+  """`quantize` of each of ``xs`` (one shape), their scales from one reduction: a leaf's two
+  moments in one pass over memory and no per-block flags (the XLA step's store)."""
+  _check(xs[0].shape, block_size)
+  xs = [x.astype(jnp.float32) for x in xs]
+  scales = _block_scales(xs, block_size, one_reduction)
+  return [
+    QuantizedMoment(encode(x, _per_element(s, x.shape[-1], block_size), signed=f), s)
+    for x, s, f in zip(xs, scales, signed, strict=True)
+  ]
 
 
 def dequantize(

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _leaf, _ratios
+from optax_lamb import _leaf, _moment_storage, _ratios
 from optax_lamb._options import RatioLayout
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
@@ -277,8 +277,8 @@ def _narrow_pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *,
   """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
   update), the moments recomputed from g and the old ones, which pass 1 only read. XLA:CPU
   writes the three in separate fusions that each read the old moments: with `apply` the
-  moments' come after p's (`_zero_after`); the update of ``tx.update`` is written by the
-  caller, so XLA copies the old moments there (docs/memory.md)."""
+  moments' come after p's (`_moment_storage.zero_after`); the update of ``tx.update`` is written
+  by the caller, so XLA copies the old moments there (docs/memory.md)."""
   o, s = plan.options, plan.scalars
   # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
   x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
@@ -286,14 +286,6 @@ def _narrow_pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *,
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
   if apply and leaf.size:  # g itself, bit for bit, as another expression (no CSE with u's)
-    g = x.g - _zero_after(out, x.g)
+    g = x.g - _moment_storage.zero_after(out, x.g)
     m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   return (out, *_leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay))
-
-
-def _zero_after(p: jax.Array, g: jax.Array) -> jax.Array:
-  """0 in g's dtype from a conditional on the new params (XLA fuses nothing across one): what uses
-  it runs after p, the old moments' last reader, so XLA writes the new ones over them, no copy."""
-  first = lambda q: jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0)  # 0, or NaN
-  zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda q: jnp.zeros((), g.dtype), p)
-  return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)

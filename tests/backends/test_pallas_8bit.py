@@ -26,7 +26,7 @@ from helpers.asserts import FEW_ROUNDINGS, assert_trees_close
 from helpers.implementations import EIGHT_BIT_BLOCKS, lamb_for
 
 import optax_lamb
-from optax_lamb import _plan, _quantize
+from optax_lamb import _moment_storage, _plan, _quantize
 from optax_lamb._options import LambOptions, StepScalars
 from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends.pallas_triton import (
@@ -106,7 +106,7 @@ def _flat_leaf(rng, shape):
   draw = lambda: jnp.asarray(rng.standard_normal(size), jnp.float32)
   m = 0.1 * draw()
   v = jnp.asarray(np.abs(rng.standard_normal(size)), jnp.float32)
-  if _quantize.quantizes(shape):  # flat: the same blocks, the last axis holding whole ones
+  if _moment_storage.quantizes(shape):  # flat: the same blocks, the last axis holding whole ones
     m, v = _quantize.quantize(m, True), _quantize.quantize(v, False)
   return {"g": draw(), "m": m, "p": draw(), "v": v}
 

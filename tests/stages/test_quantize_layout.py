@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_lamb import _quantize as q
+from optax_lamb._moment_storage import quantizes
 
 SIGNS = [True, False]
 quantize = jax.jit(q.quantize, static_argnames=("signed", "block_size"))
@@ -48,10 +49,10 @@ def test_shards_with_whole_blocks_quantize_like_the_whole_leaf(shape, spec, rng)
 
 
 def test_which_leaves_are_quantized() -> None:
-  assert not q.quantizes(())
-  assert not q.quantizes((4095,)) and q.quantizes((4096,))
-  assert not q.quantizes((8192, 1))  # 5 bytes an element: more than float32
-  assert q.quantizes((4096, 2)) and q.quantizes((64, 64)) and q.quantizes((12, 768, 3072))
+  assert not quantizes(())
+  assert not quantizes((4095,)) and quantizes((4096,))
+  assert not quantizes((8192, 1))  # 5 bytes an element: more than float32
+  assert quantizes((4096, 2)) and quantizes((64, 64)) and quantizes((12, 768, 3072))
   assert q.scales_shape((12, 768, 3072)) == (12, 768, 12)
   assert q.scales_shape((5, 257), block_size=128) == (5, 3)
   with pytest.raises(ValueError, match="0-d"):
