@@ -223,7 +223,7 @@ def test_a_tree_of_small_leaves_on_several_devices_costs_more():
 )
 def test_narrow_moments_in_update_and_apply_stay_within_the_budget(name):
   """`update_and_apply` writes the params itself: the moments' writes are ordered after it
-  (`backends.xla._zero_after`), so XLA:CPU writes them in place, no copy (tx.update: above)."""
+  (`_moment_storage.zero_after`), so XLA:CPU writes them in place, no copy (tx.update: above)."""
   mu_dtype, nu_dtype = NARROW_MOMENTS[name]
   stacked = STACKED if "stacked" in name else None
   tx = optax_lamb.lamb(LR, mu_dtype=mu_dtype, nu_dtype=nu_dtype, skip_nonfinite="skip" in name,
