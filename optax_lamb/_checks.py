@@ -272,12 +272,15 @@ def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list)
   """Whether every gradient times the clip `factor` is finite and below its leaf's second
   moment's `_leaf.overflow_threshold`: the largest |g| of each leaf, one reduction over the
   gradients, agreed over the mapped axes (a NaN counts as too large)."""
-  bad = jnp.zeros((), jnp.int32)
+  flags = []
   for g, limit in zip(grads, thresholds, strict=True):
     peak, nan = _peak(g)
     if factor is not None:
       peak = peak * factor
-    bad = bad + jnp.logical_or(nan, jnp.logical_not(peak < limit)).astype(jnp.int32)
+    flags.append(jnp.logical_or(nan, jnp.logical_not(peak < limit)))
+  # Counted by one reduction: a chain of per-leaf adds would be copied by XLA into every fusion
+  # that reads the decision (each leaf's), a program quadratic in the number of leaves.
+  bad = jnp.sum(jnp.stack(flags).astype(jnp.int32)) if flags else jnp.zeros((), jnp.int32)
   return psum_over_names(bad, names) == 0
 
 
