@@ -186,8 +186,9 @@ def stored_moments(m_c, v_c, m, v, p, o: LambOptions, s: StepScalars, *, decay: 
     finite = finite_direction(u, p)
     m_c = jnp.where(finite, m_c, m.astype(m_c.dtype))
     v_c = jnp.where(finite, v_c, v.astype(v_c.dtype))
-  if isinstance(m, _moment_storage.QuantizedMoment) and isinstance(v, type(m)):
-    return tuple(_moment_storage.store_all([m_c, v_c], [m, v], s.take))  # one pass for both
+  quantized = _moment_storage.QuantizedMoment
+  if isinstance(m, quantized) and isinstance(v, quantized):  # both in one pass
+    return tuple(_moment_storage.store_all([m_c, v_c], [m, v], s.take))
   return stored(m_c, m, s), stored(v_c, v, s)
 
 

@@ -211,8 +211,8 @@ def _joint_block_scales(xs: list[jax.Array]) -> list[jax.Array]:
     s, bad = lax.reduce((a[0], jnp.logical_not(jnp.isfinite(a[0]))), init, combine, axis)
     return [jnp.where(bad, jnp.nan, s)]
   ops = tuple(jnp.where(jnp.isnan(y), jnp.inf, y) for y in a)
-  init = (jnp.zeros((), jnp.float32),) * len(ops)
-  maxima = lax.reduce(ops, init, lambda u, w: tuple(map(jnp.maximum, u, w)), axis)
+  zeros = tuple(jnp.zeros((), jnp.float32) for _ in ops)
+  maxima = lax.reduce(ops, zeros, lambda u, w: tuple(map(jnp.maximum, u, w)), axis)
   return [jnp.where(jnp.isinf(s), jnp.nan, s) for s in maxima]
 
 
