@@ -271,8 +271,11 @@ class Conformance:
         return optax_lamb.update_and_apply(tx, g, state, p)
       return runs.update_then_apply(tx, p, state, g)
 
-    plain = fast_compile.jit(step)
-    donated = fast_compile.jit(step, donate_argnums=(0, 1))
+    # XLA's default options, as users compile: with the fast-compile ones (-O0 and the legacy
+    # emitters together) the two programs of the Pallas interpret path differed in the last bit
+    # of one element (2026-11-27), a compiler artifact of those options alone.
+    plain = jax.jit(step)
+    donated = jax.jit(step, donate_argnums=(0, 1))
     want = (p, tx.init(p))
     got = first = (jax.tree.map(jnp.copy, p), tx.init(p))
     again = (jax.tree.map(jnp.copy, p), tx.init(p))
