@@ -103,32 +103,30 @@ def store(moment: jax.Array, old: Any, take: Any = None, *, one_reduction: bool 
 def store_all(moments: list, olds: list, take: Any = None, *, one_reduction: bool = True) -> list:
   """`store` of each moment like its old one; those stored quantized (one shape: a leaf's m and
   v) from one reduction of their block scales (`_quantize.quantize_all`)."""
-  new = [m if is_quantized(o) else m.astype(o.dtype) for m, o in zip(moments, olds, strict=True)]
-  quantized = [i for i, old in enumerate(olds) if is_quantized(old)]
-  if quantized:  # integer codes: no derivative flows into the stored moment
-    xs = [jax.lax.stop_gradient(moments[i]) for i in quantized]
-    codes = _quantize.quantize_all(
-      xs, [signed(olds[i]) for i in quantized], one_reduction=one_reduction
-    )
-    new = [codes[quantized.index(i)] if i in quantized else x for i, x in enumerate(new)]
+  pairs = list(zip(moments, olds, strict=True))
+  xs = [jax.lax.stop_gradient(m) for m, o in pairs if is_quantized(o)]  # integer codes: no
+  maps = [signed(o) for o in olds if is_quantized(o)]  # derivative flows into them
+  codes = iter(_quantize.quantize_all(xs, maps, one_reduction=one_reduction) if xs else ())
+  new = [next(codes) if is_quantized(o) else m.astype(o.dtype) for m, o in pairs]
   if take is not None:
     keep = jnp.asarray(take) != 0
     where = lambda n, o: jnp.where(keep, n, o)
     new = [jax.tree.map(where, x, old) for x, old in zip(new, olds, strict=True)]
-  if one_reduction:  # XLA: decoding the old codes reads the old scales; the new scales, defined
-    # after the new codes, are written over them in place (before, XLA would copy the old ones)
-    new = [_scales_after_codes(x) if is_quantized(x) else x for x in new]
+  if xs and one_reduction:  # XLA: decoding the old codes reads the old scales; the new
+    # scales, defined after the new codes (one conditional for all), are written over them in
+    # place (defined before, XLA would copy the old ones)
+    written = [x for x in new if is_quantized(x)]
+    zero = zero_after([x.codes for x in written], written[0].scales)
+    new = [x._replace(scales=x.scales + zero) if is_quantized(x) else x for x in new]
   return new
 
 
-def _scales_after_codes(x: QuantizedMoment) -> QuantizedMoment:
-  return x._replace(scales=x.scales + zero_after(x.codes, x.scales))
-
-
-def zero_after(p: jax.Array, g: jax.Array) -> jax.Array:
-  """0 in g's dtype from a conditional on `p` (XLA fuses nothing across one): what uses it runs
-  after `p` is written, so an in-place write that must follow the last read of an old value (the
-  new moments after the new params, the new scales after the new codes) needs no copy."""
-  first = lambda q: jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0)  # 0, or NaN
-  zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda q: jnp.zeros((), g.dtype), p)
+def zero_after(p: jax.Array | list[jax.Array], g: jax.Array) -> jax.Array:
+  """0 in g's dtype from a conditional on `p` (an array or a list; XLA fuses nothing across a
+  conditional): what uses it runs after `p` is written, so an in-place write that must follow the
+  last read of an old value (the new moments after the new params, the new scales after the new
+  codes) needs no copy."""
+  first = lambda qs: sum(jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0) for q in qs)
+  ps = tuple(p) if isinstance(p, list) else (p,)
+  zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda qs: jnp.zeros((), g.dtype), ps)
   return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)

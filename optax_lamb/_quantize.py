@@ -230,10 +230,13 @@ def _block_scales(xs: list[jax.Array], block_size: int, one_reduction: bool) -> 
   lead, n = xs[0].shape[:-1], xs[0].shape[-1]
   whole = n // block_size
   reduce = _joint_block_scales if one_reduction else lambda ys: [block_scale(y) for y in ys]
-  parts = [reduce([x[..., : whole * block_size].reshape(*lead, whole, block_size) for x in xs])]
+  parts = []
+  if whole or not n:  # n = 0: no blocks, scales of length 0
+    parts.append(
+      reduce([x[..., : whole * block_size].reshape(*lead, whole, block_size) for x in xs])
+    )
   if n % block_size:
     parts.append([s[..., None] for s in reduce([x[..., whole * block_size :] for x in xs])])
-  parts = parts[1:] if not whole and n else parts  # a last axis shorter than a block
   return [jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0] for p in zip(*parts, strict=True)]
 
 
