@@ -7,6 +7,7 @@ implementation that fails, compiling or running, is recorded with its error and 
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import statistics
 import time
@@ -29,6 +30,7 @@ class Settings(NamedTuple):
   warmup: int  # rounds run first, not recorded
   inner_steps: int  # K, steps per call of the device figure
   e2e_steps: int  # N, calls per run of the end-to-end figures
+  compile_threads: int = 1  # executables compiled at once (XLA compiles without the GIL)
 
 
 class _Compiled(NamedTuple):
@@ -92,30 +94,48 @@ class _Arrays:
     self._inits.clear()
 
 
-def _compile(impl: str, arrays: _Arrays, inner_steps: int) -> tuple[_Compiled, dict]:
-  """Both executables of one implementation, and the facts of its e2e step for the report."""
+class _Prepared(NamedTuple):
+  state_key: tuple
+  step: Callable  # (params, state, grads) -> (params, state)
+
+
+def _prepare(impl: str, arrays: _Arrays) -> _Prepared:
+  """`impl`'s step and the state it advances (made here, one thread at a time)."""
   family, make_tx, make_step = IMPLEMENTATIONS[impl]
   tx = make_tx()
-  key = arrays.state_key(family, tx)
-  args = arrays.arguments(key)
-  step = make_step(tx)
-  e2e = timing.donating_jit(step)
+  return _Prepared(arrays.state_key(family, tx), make_step(tx))
+
+
+def _timed(compile_: Callable, *args):
   start = time.perf_counter()
+  return compile_(*args), round(time.perf_counter() - start, 3)
+
+
+def _compile(prepared: _Prepared, arrays: _Arrays, settings: Settings, pool) -> Callable:
+  """Starts compiling both executables of one implementation on `pool`; the returned function
+  waits for them and gives the `_Compiled` and the facts of its e2e step for the report."""
+  args = arrays.arguments(prepared.state_key)
+  e2e = timing.donating_jit(prepared.step)
   # Compiled through `e2e` itself, so its first call reuses this executable: the e2e figure goes
   # through jit's own dispatch, as a user's call does.
-  e2e_compiled = timing.compile_quietly(e2e, args)
-  compile_s = time.perf_counter() - start
-  loop = timing.compile_device_loop(step, inner_steps, args)
-  loop_compile_s = time.perf_counter() - start - compile_s
-  facts = {
-    "memory": hlo.memory(e2e_compiled),
-    "state_buffers": len(jax.tree.leaves(args[1])),
-    "input_buffers": len(jax.tree.leaves(args)),
-    "kernels": hlo.count_kernels(e2e_compiled.as_text()),
-    "compile_s": round(compile_s, 3),
-    "loop_compile_s": round(loop_compile_s, 3),
-  }
-  return _Compiled(key, loop, e2e), facts
+  e2e_job = pool.submit(_timed, timing.compile_quietly, e2e, args)
+  loop_job = pool.submit(
+    _timed, timing.compile_device_loop, prepared.step, settings.inner_steps, args
+  )
+
+  def result() -> tuple[_Compiled, dict]:
+    (e2e_compiled, compile_s), (loop, loop_compile_s) = e2e_job.result(), loop_job.result()
+    facts = {
+      "memory": hlo.memory(e2e_compiled),
+      "state_buffers": len(jax.tree.leaves(args[1])),
+      "input_buffers": len(jax.tree.leaves(args)),
+      "kernels": hlo.count_kernels(e2e_compiled.as_text()),
+      "compile_s": compile_s,
+      "loop_compile_s": loop_compile_s,
+    }
+    return _Compiled(prepared.state_key, loop, e2e), facts
+
+  return result
 
 
 def _error(e: BaseException) -> str:
@@ -134,15 +154,23 @@ class _CaseLog(NamedTuple):
 
 
 def _compile_all(arrays: _Arrays, settings: Settings, out: _CaseLog) -> dict[str, _Compiled]:
-  compiled = {}
-  for impl in settings.impls:
-    try:  # one implementation failing must not end the run
-      compiled[impl], out.results[impl] = _compile(impl, arrays, settings.inner_steps)
-    except Exception as e:
-      out.failed(impl, e)
-      continue
-    seconds = out.results[impl]["compile_s"] + out.results[impl]["loop_compile_s"]
-    out.log(f"  {out.name} {impl}: compiled in {seconds:.1f} s")
+  """Every implementation's executables; with `compile_threads` > 1 compiled concurrently (each
+  one's compile seconds are then its own wall time beside the others')."""
+  compiled, results = {}, {}
+  with concurrent.futures.ThreadPoolExecutor(settings.compile_threads) as pool:
+    for impl in settings.impls:
+      try:  # one implementation failing must not end the run
+        results[impl] = _compile(_prepare(impl, arrays), arrays, settings, pool)
+      except Exception as e:
+        out.failed(impl, e)
+    for impl, result in results.items():
+      try:
+        compiled[impl], out.results[impl] = result()
+      except Exception as e:
+        out.failed(impl, e)
+        continue
+      seconds = out.results[impl]["compile_s"] + out.results[impl]["loop_compile_s"]
+      out.log(f"  {out.name} {impl}: compiled in {seconds:.1f} s")
   arrays.keep_states({c.state_key for c in compiled.values()})
   return compiled
 

@@ -10,14 +10,15 @@
 #   tests_short    a short subset of the compiled kernels' tests (kernels, float64 reference, donation)
 #   bench_large    BERT-large: optax.lamb, auto (update + apply, update_and_apply), the XLA path
 #   bench_base     BERT-base: the same
-#   bench_narrow   BERT-large: bf16 and 8-bit moments, offload (both modes), beside float32
+#   bench_narrow   BERT-large: bf16 and 8-bit moments (auto and the XLA path), beside float32
+#   bench_offload  BERT-large: offload (both modes), beside float32
 #   tests_rest     the rest of the compiled tests and the dispatcher's
 #   bench_many     1,000 leaves of 1,000 (XLA alone compiles such a step for minutes): its own call
 #   tuning, pretrain  launch configurations; the pretrain command's tokens/s: calls of their own
-# Default: versions tests_short bench_large (about 7 minutes on an H200); then, one call each:
-#   bash benchmarks/gpu_session.sh bench_base | bench_narrow | tests_rest | bench_many
-# Everything a stage prints is teed into $OUT/<stage>.txt; the benchmarks write $OUT/gpu_<stage>.json
-# after each case. Commit the JSON under benchmarks/results/. Needs no network.
+# Default: versions to tests_rest, in one call of about 9 minutes on an H200 (the benchmarks compile
+# their implementations concurrently on the machine's cores); then bench_many in a call of its own.
+# Everything the stages print is teed into $OUT/session.log (the device tool brings back 8 files at
+# most); the benchmarks write $OUT/gpu_<stage>.json after each case. Commit the JSON under benchmarks/results/. Needs no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -25,24 +26,27 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands on the CPU: tiny trees, the tests only collected
   export JAX_PLATFORMS=cpu
-  LARGE=bert-tiny BASE=bert-tiny MANY=30x1000 BENCH_FLAGS="--quick" NARROW_FLAGS="--quick"
+  LARGE=bert-tiny BASE=bert-tiny MANY=30x1000
+  BENCH_FLAGS="--quick --compile-threads 8" NARROW_FLAGS="--quick --compile-threads 8"
   PYTEST_FLAGS="--collect-only"
 else  # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly.
   export JAX_PLATFORMS=cuda
-  LARGE=bert-large BASE=bert-base MANY=1000x1000 BENCH_FLAGS="--runs 5 --warmup 1 --e2e-steps 30"
-  NARROW_FLAGS="--runs 3 --warmup 1 --inner-steps 5 --e2e-steps 5"  # offload.host: the host's cores
+  THREADS="--compile-threads 8"
+  LARGE=bert-large BASE=bert-base MANY=1000x1000
+  BENCH_FLAGS="--runs 5 --warmup 1 --e2e-steps 30 $THREADS"
+  NARROW_FLAGS="--runs 3 --warmup 1 --inner-steps 5 --e2e-steps 5 $THREADS"  # offload.host: host cores
   PYTEST_FLAGS=""
 fi
-STAGES="${*:-versions tests_short bench_large}"
+STAGES="${*:-versions tests_short bench_large bench_base bench_narrow bench_offload tests_rest}"
 status=0
-stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT/NAME.txt
+stage() {  # stage NAME LIMIT_S CMD...: run CMD with a time limit, tee into $OUT/session.log
   local name=$1 limit=$2
   shift 2
   case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
-  echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.txt"
-  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.txt"
+  echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/session.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/session.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name exit $rc ($(date -u +%H:%M:%S))" | tee -a "$OUT/$name.txt"
+  echo "=== $name exit $rc ($(date -u +%H:%M:%S))" | tee -a "$OUT/session.log"
   if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
 }
 
@@ -64,25 +68,31 @@ EOF'
 PYTEST="python3 -m pytest -q -rs -p no:cacheprovider -n 0 --durations=8 $PYTEST_FLAGS"
 COMPILED=tests/backends/test_conformance.py::TestPallasCompiled
 SHORT="TestKernelsCompiled or each_step_matches_the_float64 or donated_step or random_options"
+# The 8-bit kernels' compiled tests too (marked slow for their interpreted twins: -m selects all).
+SHORT_8BIT="pallas_8bit and (compiled or skipped_step)"
 # shellcheck disable=SC2086
-stage tests_short 120 $PYTEST -k "$SHORT" tests/backends/test_pallas_kernels.py $COMPILED
+stage tests_short 180 $PYTEST -m "slow or not slow" -k "$SHORT or ($SHORT_8BIT)" \
+  tests/backends/test_pallas_kernels.py tests/backends/test_pallas_8bit.py $COMPILED
 
 # What users see: device-only and end-to-end step time, buffers, kernels (benchmarks/step.py). The
 # XLA path beside the kernels decides `auto`'s rule (the kernels only where they are faster). On an
-# H200 each BERT-large implementation compiles for 45-75 s (loop and step): four fit one stage.
+# H200 each BERT-large implementation compiled for 45-75 s (loop and step) one at a time.
 MAIN="${BENCH_IMPLS:-optax.lamb optax_lamb.lamb update_and_apply xla.lamb}"
 # shellcheck disable=SC2086
-stage bench_large 330 python3 -m benchmarks.step $BENCH_FLAGS --cases $LARGE --impls $MAIN \
+stage bench_large 300 python3 -m benchmarks.step $BENCH_FLAGS --cases $LARGE --impls $MAIN \
   --json "$OUT/gpu_bench_large.json"
 # shellcheck disable=SC2086
-stage bench_base 200 python3 -m benchmarks.step $BENCH_FLAGS --cases $BASE --impls $MAIN \
+stage bench_base 180 python3 -m benchmarks.step $BENCH_FLAGS --cases $BASE --impls $MAIN \
   --json "$OUT/gpu_bench_base.json"
-# bfloat16 and 8-bit moments, and the state in host memory (both modes; the host link's bandwidth in
-# the same run), beside float32.
+# bfloat16 and 8-bit moments, auto's choice beside the XLA path, and float32's in the same run.
 # shellcheck disable=SC2086
-stage bench_narrow 400 python3 -m benchmarks.step $NARROW_FLAGS --cases $LARGE \
-  --impls optax_lamb.lamb optax_lamb.lamb-bf16 optax_lamb.lamb-8bit offload.device offload.host \
+stage bench_narrow 240 python3 -m benchmarks.step $NARROW_FLAGS --cases $LARGE \
+  --impls optax_lamb.lamb optax_lamb.lamb-bf16 xla.lamb-bf16 optax_lamb.lamb-8bit xla.lamb-8bit \
   --json "$OUT/gpu_bench_narrow.json"
+# The state in host memory (both modes; the host link's bandwidth in the same run).
+# shellcheck disable=SC2086
+stage bench_offload 200 python3 -m benchmarks.step $NARROW_FLAGS --cases $LARGE \
+  --impls optax_lamb.lamb offload.device offload.host --json "$OUT/gpu_bench_offload.json"
 # shellcheck disable=SC2086
 stage tests_rest 300 $PYTEST -k "not Interpret and not ($SHORT)" \
   tests/backends/test_pallas_kernels.py $COMPILED tests/backends/test_dispatch.py \

@@ -69,6 +69,11 @@ IMPLEMENTATIONS: dict[str, tuple[str, Callable, Callable]] = {
   # bfloat16 moments: 20 instead of 28 bytes per parameter to move at the floor.
   "optax_lamb.lamb-bf16": ("ours-bf16", optax_lamb_builder(**BF16_MOMENTS), update_then_apply),
   "update_and_apply-bf16": ("ours-bf16", optax_lamb_builder(**BF16_MOMENTS), update_and_apply),
+  "xla.lamb-bf16": (
+    "ours-bf16",
+    optax_lamb_builder(implementation="xla", **BF16_MOMENTS),
+    update_then_apply,
+  ),
   # The state in pinned_host memory between steps (optax_lamb.offload): the update on the device
   # (the state copied in and out inside the step) or on the host's cores. Own families: the state
   # lives in another memory.
@@ -76,5 +81,10 @@ IMPLEMENTATIONS: dict[str, tuple[str, Callable, Callable]] = {
   "offload.host": ("ours-offload-host", offloaded("host"), update_then_apply),
   # 8-bit moments (docs/quantized_moments.md): about 38 bytes per parameter on the XLA path.
   "optax_lamb.lamb-8bit": ("ours-8bit", optax_lamb_builder(**INT8_MOMENTS), update_then_apply),
+  "xla.lamb-8bit": (
+    "ours-8bit",
+    optax_lamb_builder(implementation="xla", **INT8_MOMENTS),
+    update_then_apply,
+  ),
 }
 DEFAULT_IMPLEMENTATIONS = ("optax.lamb", "optax_lamb.lamb", "update_and_apply")

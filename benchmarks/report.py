@@ -44,6 +44,7 @@ def new_report(settings: Settings, quick: bool) -> dict:
     "warmup": settings.warmup,
     "inner_steps": settings.inner_steps,
     "e2e_steps": settings.e2e_steps,
+    "compile_threads": settings.compile_threads,
     "floor_bytes_per_param": FLOOR_BYTES_PER_PARAM,
     "hyperparameters": {"learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY},
     "load_average_start": [round(x, 2) for x in os.getloadavg()],

@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--e2e-steps", type=int, help="N, calls per run of the e2e figures (default 50, quick 5)"
   )
+  parser.add_argument(
+    "--compile-threads",
+    type=int,
+    default=1,
+    help="executables compiled at once (default 1; a GPU session's many cores take several)",
+  )
   parser.add_argument("--cases", nargs="+", help="only these cases")
   parser.add_argument(
     "--impls",
@@ -94,6 +100,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     warmup=args.warmup,
     inner_steps=args.inner_steps or (3 if args.quick else 20),
     e2e_steps=args.e2e_steps or (5 if args.quick else 50),
+    compile_threads=args.compile_threads,
   )
 
 
