@@ -7,6 +7,7 @@ by patching ``jax.default_backend`` (the steps are only traced, never compiled).
 """
 
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -61,6 +62,44 @@ def test_auto_on_one_gpu_is_the_kernels(on_a_gpu, one_device, caplog):
     traced_path(caplog)
     == f"optax_lamb.lamb: the pallas_triton path ({AUTO_BASIS['pallas_triton']})"
   )
+
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
+
+
+def _gpu_results() -> dict[str, dict]:
+  """The committed GPU benchmark files (benchmarks/results/), by name."""
+  files = {}
+  for name in sorted(os.listdir(RESULTS)):
+    if name.endswith(".json"):
+      with open(os.path.join(RESULTS, name)) as f:
+        report = json.load(f)
+      if report.get("backend") == "gpu":
+        files[name] = report
+  return files
+
+
+def test_auto_takes_the_kernels_only_where_they_were_measured_faster():
+  """auto's rule against the measurements: in the GPU file auto's log line cites and every one
+  measured after it (the earlier ones timed earlier designs), every tree timed with both auto (the
+  kernels) and the XLA path shows the kernels faster, device-only and end to end. A GPU run showing
+  the XLA path faster fails this until that case is fixed or routed to XLA."""
+  files = _gpu_results()
+  cited = [name for name in files if name in AUTO_BASIS["pallas_triton"]]
+  assert len(cited) == 1, (AUTO_BASIS["pallas_triton"], sorted(files))
+  since = files[cited[0]]["date"]
+  compared = 0
+  for name, report in files.items():
+    if report["date"] < since:
+      continue
+    for tree, case in report["cases"].items():
+      auto, xla = case["results"].get("optax_lamb.lamb"), case["results"].get("xla.lamb")
+      if not auto or not xla or "error" in auto or "error" in xla:
+        continue
+      for figure in ("device_ms", "e2e_ms"):
+        assert auto[figure] < xla[figure], (name, tree, figure, auto[figure], xla[figure])
+      compared += 1
+  assert compared >= 2, "the cited file times BERT-base and -large with both paths"
 
 
 def test_auto_with_several_devices_keeps_jit_sharding(on_a_gpu, monkeypatch, caplog):
