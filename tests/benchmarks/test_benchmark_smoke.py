@@ -44,6 +44,8 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
       "2",
       "--warmup",
       "1",
+      "--compile-threads",  # executables compiled two at a time, as gpu_session.sh does with 8
+      "2",
       "--json",
       str(out),
     ],
@@ -56,7 +58,7 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
   assert list(report["cases"]) == trees.case_names(quick=True)
   assert report["bandwidth_gbps"] > 0
   assert report["device_kind"] and report["versions"]["jax"] and report["versions"]["optax"]
-  assert report["inner_steps"] > 1 and report["e2e_steps"] > 1
+  assert report["inner_steps"] > 1 and report["e2e_steps"] > 1 and report["compile_threads"] == 2
   for name, case in report["cases"].items():
     assert case["params"] > 0 and case["leaves"] > 0, name
     assert list(case["results"]) == list(implementations.DEFAULT_IMPLEMENTATIONS), name
@@ -67,6 +69,7 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
       assert r["e2e_ms"] > 0 and r["e2e_sync_ms"] > 0, where
       for key in ("times_ms", "e2e_times_ms", "e2e_sync_times_ms"):
         assert len(r[key]) == 2 and all(t > 0 for t in r[key]), (*where, key)
+      assert r["compile_s"] > 0 and r["loop_compile_s"] > 0, where
       for key in ("state_buffers", "input_buffers", "kernels"):
         assert isinstance(r[key], int) and r[key] > 0, (*where, key)
       # params and grads hold one buffer per leaf each, besides the state's
