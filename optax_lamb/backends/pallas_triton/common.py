@@ -264,3 +264,27 @@ def call(kernel, operands, *, block_sizes: BlockSizes, interpret: bool, **kwargs
       "ignore", message=_interop.TRITON_DEPRECATION, category=DeprecationWarning
     )
     return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, **kwargs)(*operands)
+
+
+def _end_the_triton_dialect_search() -> None:
+  """Make MLIR's Python bindings find a module for the Triton dialect ("tt").
+
+  At every operation and value the Triton lowering builds, the bindings look for a Python
+  module of the dialect under their search prefixes (``jaxlib.mlir.dialects``,
+  ``jaxlib.mosaic.python``, ...), find none and do not remember that: lowering BERT-base's step
+  for cuda made 83,000 failed imports, 8 of its 11 s (jax 0.10.2, benchmarks/NOTES.md). A prefix
+  holding an (empty) ``tt`` module ends the search at the first operation. Only a speed-up:
+  where the bindings differ, nothing changes.
+  """
+  try:
+    from jax._src.lib.mlir import ir  # noqa: F401  (loads the bindings)
+    from jaxlib.mlir._mlir_libs import _mlir
+
+    prefix = f"{__package__}._mlir_dialects"
+    if prefix not in _mlir.globals.dialect_search_modules:
+      _mlir.globals.append_dialect_search_prefix(prefix)
+  except Exception:  # another jaxlib's bindings: lower as before
+    pass
+
+
+_end_the_triton_dialect_search()

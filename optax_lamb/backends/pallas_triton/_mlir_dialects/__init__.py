@@ -1,0 +1,1 @@
+"""Python modules named after MLIR dialects, for the MLIR bindings' dialect lookup (`common`)."""
