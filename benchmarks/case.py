@@ -169,8 +169,10 @@ def _compile_all(arrays: _Arrays, settings: Settings, out: _CaseLog) -> dict[str
       except Exception as e:
         out.failed(impl, e)
         continue
-      seconds = out.results[impl]["compile_s"] + out.results[impl]["loop_compile_s"]
-      out.log(f"  {out.name} {impl}: compiled in {seconds:.1f} s")
+      r = out.results[impl]
+      out.log(
+        f"  {out.name} {impl}: compiled, step {r['compile_s']:.1f} s, loop {r['loop_compile_s']:.1f} s"
+      )
   arrays.keep_states({c.state_key for c in compiled.values()})
   return compiled
 

@@ -277,7 +277,6 @@ def _end_the_triton_dialect_search() -> None:
   where the bindings differ, nothing changes.
   """
   try:
-    from jax._src.lib.mlir import ir  # noqa: F401  (loads the bindings)
     from jaxlib.mlir._mlir_libs import _mlir
 
     prefix = f"{__package__}._mlir_dialects"
