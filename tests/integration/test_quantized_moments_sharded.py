@@ -50,10 +50,10 @@ def put(tree, specs, m):
 
 
 def lamb(implementation="xla", **kwargs):
+  kwargs = {"max_grad_norm": 1.0, **kwargs}
   return optax_lamb.lamb(
     1e-2, weight_decay=0.01, mask={k: k != "b" for k in SHAPES}, stacked_axes=STACKED,
-    max_grad_norm=1.0, mu_dtype=jnp.int8, nu_dtype=jnp.uint8, implementation=implementation,
-    **kwargs,
+    mu_dtype=jnp.int8, nu_dtype=jnp.uint8, implementation=implementation, **kwargs,
   )  # fmt: skip
 
 
@@ -61,7 +61,10 @@ def lamb(implementation="xla", **kwargs):
 @pytest.mark.parametrize("layout", ["whole-blocks", "straddling"])
 @pytest.mark.parametrize("implementation", ["xla", "reference"])
 def test_sharded_update_stores_the_single_device_codes(implementation, layout, rng):
-  m, tx = mesh(), lamb(implementation)
+  # No clipping: its scale is a global sum, summed per shard under sharding, so the clipped
+  # gradient (and every moment) may differ from one device's in the last bit (seen on an AMD
+  # EPYC at 69e62e3: 21 of the 32 float32 elements of "b"'s first moment, 1 ulp).
+  m, tx = mesh(), lamb(implementation, max_grad_norm=None)
   specs = SPECS if layout == "whole-blocks" else STRADDLING
   params = arrays(rng)
   seq = [arrays(rng, 10.0**e) for e in (-2, 0, 1)]
