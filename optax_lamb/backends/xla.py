@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _leaf, _moment_storage, _ratios
+from optax_lamb import _chunked_sums, _leaf, _moment_storage, _ratios
 from optax_lamb._options import RatioLayout
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
@@ -38,11 +38,12 @@ class XlaBackend:
   """The fused XLA path; runs everywhere, and XLA differentiates and partitions it.
 
   Attributes:
-    materialize_u_max_size: the smallest leaves, up to this many elements in all
-      (4K: 16 KiB of float32), keep u in memory between the norm and the update;
-      the others recompute it.
+    materialize_u_max_size: the smallest leaves, up to this many elements in all (4K: 16
+      KiB of float32), keep u in memory between the norm and the update; the others recompute it.
     joint_small_sums: kept-u leaves' sums from zero-padded rows (a reduction per width),
       other small leaves' in one reduction each. None: `_ratios.one_device()`.
+    chunked_sums: 8-bit leaves' norms by a loop over chunks of this many elements, or 0:
+      not (`optax_lamb._chunked_sums`). None: 2^16 on the CPU backend with joint sums.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
@@ -59,6 +60,7 @@ class XlaBackend:
   differentiable = True  # plain jnp: jax differentiates it
   materialize_u_max_size: int = 1 << 12
   joint_small_sums: bool | None = None
+  chunked_sums: int | None = None
 
   def auto_reason(self) -> str | None:
     return None
@@ -75,8 +77,10 @@ class XlaBackend:
     joint = _ratios.one_device() if self.joint_small_sums is None else self.joint_small_sums
     rows_on = joint and all(name is None for name in plan.leaf_names)  # psums per leaf
     kept = _smallest_within(plan.leaves, self.materialize_u_max_size, rows_on)
+    auto_chunks = _chunked_sums.CHUNK_ELEMENTS if joint and _ratios.column_blocks() else 0
+    chunks = auto_chunks if self.chunked_sums is None else self.chunked_sums
     firsts = [
-      _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on, joint=joint)
+      _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on, joint=joint, chunks=chunks)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
@@ -169,8 +173,9 @@ def _smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> se
 
 
 def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_rows: bool,
-           joint: bool) -> _Pass1:  # fmt: skip
-  """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`."""
+           joint: bool, chunks: int) -> _Pass1:  # fmt: skip
+  """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`, 8-bit
+  moments' to a loop over `chunks` elements at a time (0: not)."""
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
@@ -187,6 +192,10 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_ro
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
+  quantized = isinstance(x.m, _moment_storage.QuantizedMoment)
+  if chunks and quantized and not (keep_u or o.caution) and _chunked_sums.applies(leaf.shape, k):
+    sums = _chunked_sums.norm_sums(x, o, s, decay=leaf.decay, stacked_axes=k, chunk_elements=chunks)
+    return _Pass1(m, v, m_c, v_c, *sums, None, kept)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   if keep_u and in_rows:  # small leaf: computing u once and keeping it beats computing it twice

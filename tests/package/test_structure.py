@@ -13,12 +13,14 @@ import collections
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import optax_lamb
+from optax_lamb.backends.xla import XlaBackend
 
 PACKAGE = Path(optax_lamb.__file__).resolve().parent
 
@@ -29,6 +31,7 @@ XLA_PATH = [
   "backends/xla.py",
   "_plan.py",
   "_checks.py",
+  "_chunked_sums.py",  # 8-bit moments on one CPU device only (`XlaBackend.chunked_sums`)
   "_ratios.py",
   "_leaf.py",
   "_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)
@@ -47,7 +50,7 @@ PALLAS_BACKEND = [
 PALLAS_PATH = XLA_PATH[:2] + PALLAS_BACKEND + XLA_PATH[3:]
 
 
-def _walk(implementation: str, **kwargs) -> tuple[list[str], collections.Counter]:
+def _walk(implementation: Any, **kwargs) -> tuple[list[str], collections.Counter]:
   """(the package files one traced update enters, the calls between them: caller -> callee)."""
   params = {"w": jnp.ones((16, 300)), "b": jnp.zeros(3), "s": jnp.ones((2, 3, 5))}
   tx = optax_lamb.lamb(
@@ -91,9 +94,12 @@ def test_one_update_walks_down_the_layers(implementation, path):
   assert not upward, upward
 
 
-def test_an_update_with_8bit_moments_walks_down_the_layers():
-  files, edges = _walk("xla", mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+@pytest.mark.parametrize("chunked", [False, True], ids=["xla", "chunked-sums"])
+def test_an_update_with_8bit_moments_walks_down_the_layers(chunked):
+  backend = XlaBackend(chunked_sums=1024 if chunked else 0)
+  files, edges = _walk(backend, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
   assert {"_moment_storage.py", "_quantize.py"} <= set(files) <= set(XLA_PATH), files
+  assert ("_chunked_sums.py" in files) == chunked, files
   upward = [(a, b) for a, b in edges if XLA_PATH.index(a) >= XLA_PATH.index(b)]
   assert not upward, upward
 

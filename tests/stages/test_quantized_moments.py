@@ -25,6 +25,7 @@ from helpers import quantize_reference as qref
 
 import optax_lamb
 from optax_lamb._quantize import QuantizedMoment
+from optax_lamb.backends.xla import XlaBackend
 
 EPS32 = float(np.finfo(np.float32).eps)
 SHAPES = {
@@ -118,7 +119,11 @@ def run_lamb(implementation, steps=5, seed=0, **kwargs):
   return params, state
 
 
-@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize(  # xla-chunked: the norms from row chunks (`XlaBackend.chunked_sums`)
+  "implementation",
+  ["reference", "xla", XlaBackend(chunked_sums=1500)],
+  ids=["reference", "xla", "xla-chunked"],
+)
 def test_lamb_8bit_moments_match_the_float64_transcription(implementation):
   run_lamb(implementation)
 
@@ -228,17 +233,19 @@ def test_the_layout_depends_on_the_shape_only():
 
 @pytest.mark.slow  # 29 s: CI runs it
 def test_the_update_differentiates_with_respect_to_the_params():
-  """Through the update (the integer codes carry no derivative): reference and XLA agree."""
+  """Through the update (the integer codes carry no derivative): reference and XLA agree, with
+  the norms from row chunks too (a loop, differentiated by jax)."""
   rng = np.random.default_rng(4)
   params, grads = tree(rng), tree(rng)
-  out = {}
-  for implementation in ("reference", "xla"):
+  out = []
+  for implementation in ("reference", "xla", XlaBackend(chunked_sums=1500)):
     tx = optax_lamb.lamb(1e-2, implementation=implementation, **lamb_kwargs())
     state = tx.update(grads, tx.init(params), params)[1]
     loss = lambda p, tx=tx, state=state: sum(
       jnp.sum(u**2) for u in jax.tree.leaves(tx.update(grads, state, p)[0])
     )
-    out[implementation] = jax.jit(jax.grad(loss))(params)
-  for a, b in zip(*(jax.tree.leaves(x) for x in out.values()), strict=True):
-    assert np.all(np.isfinite(a))
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.max(np.abs(a), initial=1.0))
+    out.append(jax.jit(jax.grad(loss))(params))
+  for other in out[1:]:  # the XLA path, with and without chunked norms
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(other), strict=True):
+      assert np.all(np.isfinite(a))
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.max(np.abs(a), initial=1.0))
