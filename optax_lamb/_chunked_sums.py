@@ -6,7 +6,7 @@ when that producer decodes 8-bit moments (benchmarks/NOTES.md, "8-bit moments on
 one 4096x4096 leaf's pass 1 took 325 of the step's 500 ms. A loop over chunks of rows (the last
 axis whole, so that every chunk holds whole quantization blocks) decodes each chunk into
 buffers (vectorised) and sums from them: that pass took about 85 ms, BERT-base's 8-bit step
-2.63 -> 1.53 s. The sums are the same terms in another order.
+2.63 -> 1.53 s (2-core AMD EPYC). The sums are the same terms in another order.
 
 Temporaries: about 20 bytes a chunk element (the chunk's slices and decoded moments), so a
 chunk is at most 1/LEAF_FRACTION of its leaf (0.6 bytes a leaf element, the columns layout's

@@ -192,7 +192,7 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_ro
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
-  quantized = isinstance(x.m, _moment_storage.QuantizedMoment)
+  quantized = any(isinstance(y, _moment_storage.QuantizedMoment) for y in (x.m, x.v))
   if chunks and quantized and not (keep_u or o.caution) and _chunked_sums.applies(leaf.shape, k):
     sums = _chunked_sums.norm_sums(x, o, s, decay=leaf.decay, stacked_axes=k, chunk_elements=chunks)
     return _Pass1(m, v, m_c, v_c, *sums, None, kept)

@@ -82,6 +82,7 @@ def test_a_chunk_is_at_most_its_share_of_the_leaf():
   assert not _chunked_sums.applies((0, 16), 0)
   assert loops(XlaBackend(chunked_sums=1500)) == 4  # w, tail, stack, cube
   assert loops(XlaBackend(chunked_sums=0)) == 0
+  assert loops(XlaBackend(chunked_sums=1500), mu_dtype=jnp.float32) == 4  # one moment 8-bit
 
 
 def test_on_one_cpu_device_auto_chunks_the_8bit_leaves(monkeypatch):
