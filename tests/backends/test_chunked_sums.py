@@ -75,8 +75,8 @@ def test_chunked_sums_give_the_plain_reductions_step(skip_nonfinite, rng):
     state, params = s_ref, optax.apply_updates(params, u_ref)
 
 
-def test_a_chunk_is_at_most_its_share_of_the_leaf():
-  """1,500 elements at most, and 1/LEAF_FRACTION of the leaf: a row where a row is more."""
+def test_8bit_leaves_of_two_axes_or_more_take_the_loop():
+  """A loop per such leaf (either moment 8-bit); 1-D, empty and float32 leaves, or 0, none."""
   assert _chunked_sums.applies((1000, 16), 0) and _chunked_sums.applies((3, 8, 256), 1)
   assert not _chunked_sums.applies((5000,), 0) and not _chunked_sums.applies((3, 256), 1)
   assert not _chunked_sums.applies((0, 16), 0)
