@@ -59,7 +59,8 @@ def norm_sums(x: Any, o: LambOptions, s: StepScalars, *, decay: bool, stacked_ax
   piece = lambda start, size: jax.tree.map(
     lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=k), x
   )
-  zeros = tuple(jnp.zeros(t.shape, t.dtype) for t in jax.eval_shape(sums, piece(0, chunk)))
+  # the sums' dtypes, as `_ratios.squares` gives them: p's and u's (g's) compute dtypes
+  zeros = tuple(jnp.zeros(lead, _leaf.compute_dtype(a.dtype)) for a in (x.p, x.g))
   acc = jax.lax.fori_loop(0, full, lambda i, acc: _add(acc, sums(piece(i * chunk, chunk))), zeros)
   p_sq, u_sq = _add(acc, sums(piece(full * chunk, tail))) if tail else acc
   return p_sq, u_sq
