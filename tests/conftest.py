@@ -16,10 +16,6 @@ import re
 import shutil
 import tempfile
 
-try:
-  _JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
-except (importlib.metadata.PackageNotFoundError, ValueError):  # unknown: no version-bound flags
-  _JAXLIB = (99, 0)
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -63,11 +59,13 @@ def pytest_configure(config):
   starts jax's backend (it reads XLA_FLAGS then); the workers and subprocesses inherit it. Users
   keep XLA's default."""
   markexpr = " ".join((config.getoption("markexpr") or "").split())
-  if (
-    markexpr == "not slow"
-    and _JAXLIB < (0, 11)
-    and "fusion_emitters" not in os.environ["XLA_FLAGS"]
-  ):
+  if markexpr != "not slow" or "fusion_emitters" in os.environ["XLA_FLAGS"]:
+    return
+  try:
+    jaxlib = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+  except (importlib.metadata.PackageNotFoundError, ValueError):  # unknown: leave XLA's default
+    return
+  if jaxlib < (0, 11):
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 
