@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import platform
 import re
+import subprocess
 
 import jax
 
@@ -51,6 +52,15 @@ def device_slug() -> str:
   if device.platform == "cpu":
     return f"cpu-{os.cpu_count()}core"
   return slugify(device.device_kind)
+
+
+def commit() -> str:
+  """The checkout's commit (short hash), "unknown" outside a git clone."""
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+  except OSError:
+    return "unknown"
 
 
 def versions() -> dict:

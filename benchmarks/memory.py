@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -203,14 +202,6 @@ def commits(results: dict) -> list[str]:
   return sorted(found)
 
 
-def _commit() -> str:
-  try:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-  except OSError:
-    return "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--trees", nargs="+", default=["bert-base", "bert-large"])
@@ -230,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.merge and os.path.exists(args.json):
     with open(args.json) as f:
       results = json.load(f)
-  commit = _commit()
+  commit = machine.commit()
   results.update(device=machine.describe_device(), commit=commit, versions=machine.versions(),
                  date=datetime.date.today().isoformat())  # fmt: skip
   for name in args.trees:

@@ -38,6 +38,7 @@ def new_report(settings: Settings, quick: bool) -> dict:
     "jax": jax.__version__,
     "optax": optax.__version__,
     "versions": machine.versions(),
+    "commit": machine.commit(),
     "date": datetime.date.today().isoformat(),
     "quick": quick,
     "runs": settings.runs,

@@ -45,7 +45,9 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def _source(report: dict, path: str) -> str:
   date = str(report.get("date", "undated"))[:10]
-  device = report.get("device_kind") or report.get("device", "?")
+  # A GPU's kind ("NVIDIA H200"); a CPU's model and cores (its device_kind is just "cpu").
+  gpu = report.get("backend") == "gpu"
+  device = (report.get("device_kind") if gpu else None) or report.get("device", "?")
   versions = f"jax {report.get('jax', '?')}, optax {report.get('optax', '?')}"
   commit = (
     f"commit {report['commit']}" if report.get("commit") else "commit not recorded in the file"
@@ -128,22 +130,29 @@ def gpu_headline(results_dir: str) -> str:
 
 
 def headline(results_dir: str) -> str:
-  """The README's figures: BERT-base and BERT-large on the CPU file, optax.lamb against ours."""
+  """The README's figures: BERT-base and BERT-large on the CPU file, optax.lamb against ours,
+  device-only and, where the file has it, end to end."""
   path = os.path.join(results_dir, "cpu-2core.json")
   report = _load(path)
+  cases = {name: report["cases"][name]["results"] for name in ("bert-base", "bert-large")}
+  keys = ["device_ms"]
+  if all(_ms(r, "e2e_ms") for results in cases.values() for r in results.values()):
+    keys.append("e2e_ms")
+  what = " / ".join({"device_ms": "device-only", "e2e_ms": "end to end"}[k] for k in keys)
   rows = [
-    f"Measured on {_source(report, path)}; device time of one jitted, donated step:",
+    f"Measured on {_source(report, path)}; one jitted, donated step, {what} (ms, and the time "
+    "as a multiple of `optax.lamb`'s):",
     "",
     "| tree | `optax.lamb` | `optax_lamb.lamb` | `update_and_apply` |",
     "|---|---:|---:|---:|",
   ]
-  for name in ("bert-base", "bert-large"):
-    results = report["cases"][name]["results"]
-    base = _ms(results["optax.lamb"], "device_ms")
-    cells = [f"{_fmt(base, 0)} ms"]
+  for name, results in cases.items():
+    base = [_ms(results["optax.lamb"], k) for k in keys]
+    cells = [" / ".join(_fmt(b, 0) for b in base) + " ms"]
     for impl in ("optax_lamb.lamb", "update_and_apply"):
-      t = _ms(results[impl], "device_ms")
-      cells.append(f"{_fmt(t, 0)} ms ({t / base:.2f}x)")
+      times = [_ms(results[impl], k) for k in keys]
+      ratios = " / ".join(f"{t / b:.2f}x" for t, b in zip(times, base, strict=True))
+      cells.append(" / ".join(_fmt(t, 0) for t in times) + f" ms ({ratios})")
     rows.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(rows)
 

@@ -58,6 +58,10 @@ def test_quick_benchmark_writes_every_case_and_implementation(tmp_path):
   assert list(report["cases"]) == trees.case_names(quick=True)
   assert report["bandwidth_gbps"] > 0
   assert report["device_kind"] and report["versions"]["jax"] and report["versions"]["optax"]
+  head = subprocess.run(
+    ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+  )
+  assert report["commit"] == (head.stdout.strip() or "unknown")  # which code the figures are of
   assert report["inner_steps"] > 1 and report["e2e_steps"] > 1 and report["compile_threads"] == 2
   for name, case in report["cases"].items():
     assert case["params"] > 0 and case["leaves"] > 0, name
