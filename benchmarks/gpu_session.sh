@@ -35,6 +35,8 @@ if [ -n "${DRY_RUN:-}" ]; then  # the same commands on the CPU: tiny trees, the 
   LARGE=bert-tiny BASE=bert-tiny MANY=30x1000
   BENCH_FLAGS="--quick --compile-threads 8" NARROW_FLAGS="--quick --compile-threads 8"
   PYTEST_FLAGS="--collect-only"
+  TUNING_FLAGS="--cases bert-tiny --inner 1 --runs 1"  # the kernels interpreted: a tiny tree only
+  PRETRAIN_FLAGS="--preset smoke --steps 2"
 else  # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explicitly.
   export JAX_PLATFORMS=cuda
   THREADS="--compile-threads 8"
@@ -42,6 +44,8 @@ else  # tests/conftest.py defaults JAX_PLATFORMS to cpu: ask for the GPU explici
   BENCH_FLAGS="--runs 5 --warmup 1 --e2e-steps 30 $THREADS"
   NARROW_FLAGS="--runs 3 --warmup 1 --inner-steps 5 --e2e-steps 5 $THREADS"  # offload.host: host cores
   PYTEST_FLAGS=""
+  TUNING_FLAGS="--cases bert-large"
+  PRETRAIN_FLAGS="--preset base --steps 30 --require-gpu"
 fi
 STAGES="${*:-versions bench_narrow bench_offload}"
 status=0
@@ -108,14 +112,16 @@ stage bench_many 500 python3 -m benchmarks.step $BENCH_FLAGS --cases $MANY \
   --impls optax.lamb optax_lamb.lamb update_and_apply xla.lamb --json "$OUT/gpu_bench_many.json"
 
 # Launch configurations of the Pallas path, device-only.
-stage tuning 500 python3 -m benchmarks.pallas_tuning --cases bert-large \
+# shellcheck disable=SC2086
+stage tuning 500 python3 -m benchmarks.pallas_tuning $TUNING_FLAGS \
   --variants ${TUNING_VARIANTS:-default pass2-all-xla pass2-all-kernel leaves-64} \
   --json "$OUT/tuning.json"
 
 # BERT-base phase 1 through the pretrain command's own jitted step, LAMB and AdamW: tokens/s per
 # device, MFU, and the optimizer's share of a step without accumulation (pretrain/bench.py).
-stage pretrain 500 python3 -m optax_lamb_recipes.pretrain.bench --preset base --opts lamb adamw \
-  --steps 30 --require-gpu --json "$OUT/pretrain_bench.json"
+# shellcheck disable=SC2086
+stage pretrain 500 python3 -m optax_lamb_recipes.pretrain.bench $PRETRAIN_FLAGS --opts lamb adamw \
+  --json "$OUT/pretrain_bench.json"
 
 echo "done $(date -u +%H:%M:%S), status $status; files in $OUT:" && ls -l "$OUT"
 exit "$status"
