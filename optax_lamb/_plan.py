@@ -278,7 +278,12 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
   def total(scale: float) -> jax.Array:
     by_name: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
     for x, name, j in zip(leaves, names, joint, strict=True):
-      sq = _ratios.sq_norm(x, joint=j, scale=scale)
+      s: Any = scale
+      if scale != 1.0:  # in the conditional's branch, where x is already a buffer: free
+        # A scale of each leaf's own: XLA:CPU shares one broadcast of a constant among leaves of
+        # one shape and stores it, a leaf-sized temporary (benchmarks/NOTES.md, 2026-11-28).
+        s, x = jax.lax.optimization_barrier((jnp.asarray(scale, jnp.float32), x))
+      sq = _ratios.sq_norm(x, joint=j, scale=s)
       by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
     return sum((_ratios.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
 

@@ -1,7 +1,7 @@
 """No parameter-sized temporary in any configuration: the compiler's own count of a donated step.
 
 Every option and combination of `lamb` and the compat constructors, on a small tree with
-odd sizes, a stacked leaf, tiny and larger leaves, compiles (nothing runs) to a step whose
+odd sizes, two leaves of one shape, a stacked leaf, tiny and larger leaves, compiles (nothing runs) to a step whose
 temporaries are at most 1% of the params' bytes plus 64 KiB (`BUDGET`), read from
 ``memory_analysis()`` of XLA:CPU, the figure benchmarks/memory.py reports per parameter.
 Two exceptions XLA:CPU leaves (docs/memory.md), each held to what it costs today so that a
@@ -27,6 +27,7 @@ from optax_lamb import _ratios, compat
 
 SHAPES = {
   "odd": (600, 500),  # 300,000: no power-of-two blocks
+  "odd twin": (600, 500),  # leaves of one shape: XLA shares what their reductions have in common
   "wide": (300, 200),
   "stacked": (4, 512, 64),
   "prime": (100_003,),
