@@ -34,7 +34,7 @@ import optax
 
 import optax_lamb
 from benchmarks import machine, trees
-from optax_lamb import _ratios
+from optax_lamb.core import _ratios
 
 LR = 1e-3
 DEFAULT_OUT = os.path.join("benchmarks", "results", "memory", "cpu-2core.json")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
   )  # fmt: skip
   parser.add_argument(
     "--norm-blocks", choices=["rows", "columns"], default="rows",
-    help="the norms' layout (optax_lamb._ratios.NORM_BLOCKS); rows: the accelerators' default",
+    help="the norms' layout (optax_lamb.core._ratios.NORM_BLOCKS); rows: the accelerators' default",
   )  # fmt: skip
   args = parser.parse_args(argv)
   _ratios.NORM_BLOCKS = args.norm_blocks

@@ -1,4 +1,4 @@
-"""8-bit block-wise moments (optax_lamb._quantize): state bytes, error and round-trip time.
+"""8-bit block-wise moments (optax_lamb.core._quantize): state bytes, error and round-trip time.
 
   python -m benchmarks.quantize                  # 94M elements, as in benchmarks/NOTES.md
   python -m benchmarks.quantize --elements 1e6   # a quick look
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import machine
-from optax_lamb import _quantize as q
+from optax_lamb.core import _quantize as q
 
 LAST_AXIS = 3072
 

@@ -233,7 +233,7 @@ def format_report(results: dict) -> str:
 
 
 # The ci search's model with an MLP of 128, so that its MLP kernels (32 x 128) reach the 4,096
-# elements from which moments are quantized (`optax_lamb._quantize.MIN_SIZE`): the ci model's
+# elements from which moments are quantized (`optax_lamb.core._quantize.MIN_SIZE`): the ci model's
 # leaves are all smaller.
 _CI = search.PRESETS["ci"]
 CI_SEARCH = dataclasses.replace(

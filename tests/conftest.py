@@ -98,9 +98,9 @@ _SEED = pytest.StashKey[int]()
 
 @pytest.fixture
 def rows_layout(monkeypatch) -> None:
-  """The norms' sums in the accelerators' layout (optax_lamb._ratios.NORM_BLOCKS = "rows"): what
+  """The norms' sums in the accelerators' layout (optax_lamb.core._ratios.NORM_BLOCKS = "rows"): what
   the memory budget is for; the CPU backend's own takes 2/16 of a large leaf."""
-  from optax_lamb import _ratios
+  from optax_lamb.core import _ratios
 
   monkeypatch.setattr(_ratios, "NORM_BLOCKS", "rows")
 
@@ -108,10 +108,10 @@ def rows_layout(monkeypatch) -> None:
 @pytest.fixture(params=[False, True], ids=["devices-8", "one-device"])
 def device_count_seen(request, monkeypatch) -> bool:
   """The step traced as in this 8-device process, and as in a one-device one (small leaves'
-  sums joint: optax_lamb._ratios.one_device); the fixture's value says which."""
+  sums joint: optax_lamb.core._ratios.one_device); the fixture's value says which."""
   import jax
 
-  from optax_lamb import _ratios
+  from optax_lamb.core import _ratios
 
   if request.param:
     monkeypatch.setattr(jax, "device_count", lambda *args: 1)

@@ -1,12 +1,18 @@
-"""The implementations of one lamb step; `optax_lamb._registry` names them and picks one per call.
+"""The implementations of one lamb step; `optax_lamb.step._registry` names them and picks one per call.
 
-Each backend computes from the step plan (`optax_lamb._plan.StepPlan`: options,
+Each backend computes from the step plan (`optax_lamb.step._plan.StepPlan`: options,
 scalars, per-leaf plans) and the leaves' arrays, returns a `StepResult` (updates
 or new params, new moments, the ratio vector), and says through the
-`optax_lamb._registry.Backend` protocol where ``auto`` takes it (`auto_reason`)
+`optax_lamb.step._registry.Backend` protocol where ``auto`` takes it (`auto_reason`)
 and which steps it cannot take (`unsupported_reason`): `xla.XlaBackend` (runs
 everywhere) and `pallas_triton.PallasTritonBackend` (Triton kernels; imported
 only when used), whose step `per_device` runs on each device's shards under
 ``jax.jit`` (a ``pallas_call`` is opaque to XLA's partitioner). A configured
 instance may be passed as ``lamb(..., implementation=backend)``.
+
+A backend imports only `optax_lamb.core` (and `optax_lamb._interop`); the registry loads
+each by its module's name (``_LOADERS``), so the step does not import the backends. The XLA
+backend, which runs everywhere, is imported with the package (here).
 """
+
+from optax_lamb.backends import xla as xla

@@ -39,8 +39,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_lamb import _interop
-from optax_lamb._options import RatioLayout, ScalarLayout, StepScalars
-from optax_lamb._plan import LeafArrays, StepPlan, StepResult
+from optax_lamb.core._options import RatioLayout, ScalarLayout, StepScalars
+from optax_lamb.step._plan import LeafArrays, StepPlan, StepResult
 
 LocalStep = Callable[..., StepResult]  # (plan, leaves, *, apply) -> result
 

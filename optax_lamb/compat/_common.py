@@ -1,9 +1,10 @@
-"""What the compat constructors share: argument checks, masks from names, the build, library rules.
+"""What the compat constructors share: argument checks, masks from names, the build's arguments,
+library rules.
 
 Each library's constructor (its own module) checks its arguments with that
-library's names and refusals, maps them onto `optax_lamb._options.LambConfig`
-(see ``docs/which_lamb.md`` for the mapping), and builds the transformation
-with `make` on the core that every implementation shares.
+library's names and refusals, maps them onto `optax_lamb.core._options.LambConfig`
+(see ``docs/which_lamb.md`` for the mapping) with `build_args`, and builds the
+transformation with `optax_lamb.step._transform.build`, as `optax_lamb.lamb` does.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _ratios
-from optax_lamb._options import LambConfig
-from optax_lamb._transform import build
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._options import LambConfig
+from optax_lamb.faults import _check_args, _checks
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -111,16 +111,16 @@ def keras_clipping(
   return transform
 
 
-def make(
+def build_args(
   *,
   learning_rate: Any,
   learning_rate_name: str,
   lamb_options: dict,
   grad_transform: Any = None,
   **config: Any,
-) -> optax.GradientTransformationExtraArgs:
-  """The transformation of one compat constructor: its `LambConfig` fields, then lamb's options
-  (`lamb_options`)."""
+) -> dict[str, Any]:
+  """The arguments of `optax_lamb.step._transform.build` for one compat constructor: its
+  `LambConfig` fields, then lamb's options (`lamb_options`); the constructor builds."""
   _check_args.check_non_negative(learning_rate_name, learning_rate, schedule=True)
   _check_args.check_per_leaf("stacked_axes", lamb_options["stacked_axes"], "int")
   _check_args.check_axis_name("axis_name", lamb_options["axis_name"])
@@ -138,8 +138,8 @@ def make(
     axis_name=lamb_options["axis_name"],
     **{**defaults, **config},
   )
-  return build(
-    lamb_config,
+  return dict(
+    config=lamb_config,
     implementation=lamb_options["implementation"],
     skip_nonfinite=lamb_options["skip_nonfinite"],
     grad_scale=lamb_options["grad_scale"],

@@ -6,9 +6,10 @@ from typing import Any
 
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 _FLAGS = ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")  # the bool arguments
 
@@ -98,12 +99,14 @@ def apex_fused_lamb(
     raise TypeError("max_grad_norm must be a number (apex's kernel needs one), got None")
   decay = _check_args.number("weight_decay", weight_decay)  # None: an array, read each step
   torch_style = _common.check_torch_style(locals(), _FLAGS)
-  return _common.make(
-    **torch_style,
-    **_common.adaptation(use_nvlamb, decay, torch_style["mask"]),
-    weight_decay_placement="direction" if adam_w_mode else "gradient",
-    bias_correction=bias_correction,
-    grad_averaging=grad_averaging,
-    max_grad_norm=_common.torch_clip(max_grad_norm, "apex"),
-    lamb_options=_common.lamb_options(locals()),
+  return build(
+    **_common.build_args(
+      **torch_style,
+      **_common.adaptation(use_nvlamb, decay, torch_style["mask"]),
+      weight_decay_placement="direction" if adam_w_mode else "gradient",
+      bias_correction=bias_correction,
+      grad_averaging=grad_averaging,
+      max_grad_norm=_common.torch_clip(max_grad_norm, "apex"),
+      lamb_options=_common.lamb_options(locals()),
+    )
   )

@@ -7,9 +7,10 @@ from typing import Any
 
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 _FLAGS = ("eps_inside_sqrt", "bias_correction")  # the bool arguments
 
@@ -106,14 +107,16 @@ def deepspeed_fused_lamb(
   if low is not None and not -math.inf < low < math.inf:
     raise ValueError(f"min_coeff must be a finite number, got min_coeff={min_coeff!r}")
   min_ratio, max_ratio = _common.ratio_clamps(max_coeff, high, min_coeff, low)
-  return _common.make(
-    **{**torch_style, "eps": 0.0 if eps_inside_sqrt else eps},
-    eps_root=eps if eps_inside_sqrt else 0.0,
-    bias_correction=bias_correction,
-    bias_correction_placement="step_size",
-    min_trust_ratio=min_ratio,
-    max_trust_ratio=max_ratio,
-    max_grad_norm=_common.positive_or_off(max_grad_norm, clip),
-    clip_norm_eps=DEEPSPEED_CLIP_EPS,
-    lamb_options=_common.lamb_options(locals()),
+  return build(
+    **_common.build_args(
+      **{**torch_style, "eps": 0.0 if eps_inside_sqrt else eps},
+      eps_root=eps if eps_inside_sqrt else 0.0,
+      bias_correction=bias_correction,
+      bias_correction_placement="step_size",
+      min_trust_ratio=min_ratio,
+      max_trust_ratio=max_ratio,
+      max_grad_norm=_common.positive_or_off(max_grad_norm, clip),
+      clip_norm_eps=DEEPSPEED_CLIP_EPS,
+      lamb_options=_common.lamb_options(locals()),
+    )
   )

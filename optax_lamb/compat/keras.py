@@ -6,9 +6,10 @@ from typing import Any
 
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 
 @_common.documented
@@ -102,17 +103,19 @@ def keras_lamb(
     _check_args.check_non_negative("weight_decay", weight_decay)
   _common.check_mask("weight_decay_mask", weight_decay_mask)
   options = _common.lamb_options(locals())
-  return _common.make(
-    learning_rate=learning_rate,
-    learning_rate_name="learning_rate",
-    b1=beta_1,
-    b2=beta_2,
-    eps=epsilon,
-    weight_decay=0.0 if weight_decay is None else weight_decay,
-    mask=_common.named_mask("weight_decay_mask", weight_decay_mask),
-    weight_decay_placement="params",
-    bias_correction=True,
-    max_grad_norm=clips["global_clipnorm"],
-    grad_transform=_common.keras_clipping(clips["clipnorm"], clips["clipvalue"], options),
-    lamb_options=options,
+  return build(
+    **_common.build_args(
+      learning_rate=learning_rate,
+      learning_rate_name="learning_rate",
+      b1=beta_1,
+      b2=beta_2,
+      eps=epsilon,
+      weight_decay=0.0 if weight_decay is None else weight_decay,
+      mask=_common.named_mask("weight_decay_mask", weight_decay_mask),
+      weight_decay_placement="params",
+      bias_correction=True,
+      max_grad_norm=clips["global_clipnorm"],
+      grad_transform=_common.keras_clipping(clips["clipnorm"], clips["clipvalue"], options),
+      lamb_options=options,
+    )
   )

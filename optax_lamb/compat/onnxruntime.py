@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _plan, _ratios
-from optax_lamb._loss_scale import divides_by_grad_scale
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.faults import _check_args, _checks
+from optax_lamb.faults._loss_scale import divides_by_grad_scale
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 
 def onnxruntime_lamb(
@@ -150,20 +152,22 @@ def onnxruntime_lamb(
       )
   options = _common.lamb_options(locals())
   options["grad_scale"] = grad_scale if loss_scale is None else loss_scale
-  tx = _common.make(
-    learning_rate=lr,
-    learning_rate_name="lr",
-    b1=alpha,
-    b2=beta,
-    eps=epsilon,
-    weight_decay=lambda_coef,
-    mask=_common.named_mask("weight_decay_mask", weight_decay_mask),
-    bias_correction=bool(do_bias_correction),
-    min_trust_ratio=min_ratio,
-    max_trust_ratio=max_ratio,
-    finite_guard=True,
-    grad_transform=_global_clip(clip, axis_name),
-    lamb_options=options,
+  tx = build(
+    **_common.build_args(
+      learning_rate=lr,
+      learning_rate_name="lr",
+      b1=alpha,
+      b2=beta,
+      eps=epsilon,
+      weight_decay=lambda_coef,
+      mask=_common.named_mask("weight_decay_mask", weight_decay_mask),
+      bias_correction=bool(do_bias_correction),
+      min_trust_ratio=min_ratio,
+      max_trust_ratio=max_ratio,
+      finite_guard=True,
+      grad_transform=_global_clip(clip, axis_name),
+      lamb_options=options,
+    )
   )
   return _with_do_update(tx)
 
@@ -210,7 +214,7 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
     treedef: Any
     leaves, treedef = jax.tree.flatten(grads)
     names = _checks.resolve_axis_names(axis_name, params)
-    norm = _plan.global_norm(leaves, names)
+    norm = _ratios.global_norm(leaves, names)
 
     def nonfinite() -> jax.Array:  # ORT's sum of squares: inf with an inf element, NaN with a NaN
       sums = [jnp.sum(jnp.where(jnp.isfinite(g), 0, jnp.square(g))) for g in leaves]

@@ -7,9 +7,10 @@ from typing import Any
 
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 
 def _inverse_time_decay(learning_rate: Any, decay: Any, known: float | None) -> Any:
@@ -145,17 +146,21 @@ def tfa_lamb(
     "lr" if lr is not None else "learning_rate", learning_rate, schedule=True
   )
   options = _common.lamb_options(locals())
-  return _common.make(
-    learning_rate=_inverse_time_decay(learning_rate, decay, known_decay),
-    learning_rate_name="learning_rate",
-    b1=beta_1,
-    b2=beta_2,
-    eps=epsilon,
-    weight_decay=weight_decay,
-    mask=_common.regex_mask(exclude_from_weight_decay),
-    bias_correction=True,
-    trust_ratio_mask=_common.regex_mask(exclude_from_layer_adaptation or exclude_from_weight_decay),
-    max_grad_norm=global_clipnorm,
-    grad_transform=_common.keras_clipping(clipnorm, clipvalue, options),
-    lamb_options=options,
+  return build(
+    **_common.build_args(
+      learning_rate=_inverse_time_decay(learning_rate, decay, known_decay),
+      learning_rate_name="learning_rate",
+      b1=beta_1,
+      b2=beta_2,
+      eps=epsilon,
+      weight_decay=weight_decay,
+      mask=_common.regex_mask(exclude_from_weight_decay),
+      bias_correction=True,
+      trust_ratio_mask=_common.regex_mask(
+        exclude_from_layer_adaptation or exclude_from_weight_decay
+      ),
+      max_grad_norm=global_clipnorm,
+      grad_transform=_common.keras_clipping(clipnorm, clipvalue, options),
+      lamb_options=options,
+    )
   )

@@ -7,9 +7,10 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 _FLAGS = (
   "bias_correction",
@@ -144,15 +145,17 @@ def timm_lamb(
         "constructor's lr, which a torch scheduler scales (got base_lr=None)"
       )
     base_lr = lr
-  return _common.make(
-    **torch_style,
-    **_common.adaptation(always_adapt, decay, torch_style["mask"]),
-    weight_decay_placement="params" if decoupled else "direction",
-    decay_base_lr=base_lr if corrected else None,
-    bias_correction=bias_correction,
-    grad_averaging=grad_averaging,
-    max_trust_ratio=1.0 if trust_clip else None,
-    max_grad_norm=clip,
-    caution=caution,
-    lamb_options=_common.lamb_options(locals()),
+  return build(
+    **_common.build_args(
+      **torch_style,
+      **_common.adaptation(always_adapt, decay, torch_style["mask"]),
+      weight_decay_placement="params" if decoupled else "direction",
+      decay_base_lr=base_lr if corrected else None,
+      bias_correction=bias_correction,
+      grad_averaging=grad_averaging,
+      max_trust_ratio=1.0 if trust_clip else None,
+      max_grad_norm=clip,
+      caution=caution,
+      lamb_options=_common.lamb_options(locals()),
+    )
   )

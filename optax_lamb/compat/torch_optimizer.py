@@ -7,9 +7,10 @@ from typing import Any
 
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._registry import Implementation
 from optax_lamb.compat import _common
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 _FLAGS = ("adam", "debias")  # the bool arguments
 
@@ -85,11 +86,13 @@ def torch_optimizer_lamb(
   if clamp is not None and not clamp >= 0.0:
     raise ValueError(f"Invalid clamp value: {clamp_value} (clamp_value={clamp_value!r})")
   torch_style = _common.check_torch_style(locals(), _FLAGS)
-  return _common.make(
-    **torch_style,
-    bias_correction=debias,
-    bias_correction_placement="step_size",
-    trust_ratio_mask=_common.NO_LEAF if adam else None,
-    max_param_norm=clamp_value if clamp is None else (None if clamp == math.inf else clamp),
-    lamb_options=_common.lamb_options(locals()),
+  return build(
+    **_common.build_args(
+      **torch_style,
+      bias_correction=debias,
+      bias_correction_placement="step_size",
+      trust_ratio_mask=_common.NO_LEAF if adam else None,
+      max_param_norm=clamp_value if clamp is None else (None if clamp == math.inf else clamp),
+      lamb_options=_common.lamb_options(locals()),
+    )
   )

@@ -1,4 +1,4 @@
-"""The XLA path's norms of 8-bit leaves from a loop over row chunks (`optax_lamb._chunked_sums`).
+"""The XLA path's norms of 8-bit leaves from a loop over row chunks (`optax_lamb.backends.xla._chunked_sums`).
 
 Held to the same step without the loop (the plain reduction over the whole leaf): the codes and
 scales bit for bit (the moments do not depend on the norms), the updates and trust ratios to a
@@ -14,8 +14,7 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb import _chunked_sums
-from optax_lamb.backends.xla import XlaBackend
+from optax_lamb.backends.xla import XlaBackend, _chunked_sums
 
 EPS32 = float(np.finfo(np.float32).eps)
 SHAPES = {

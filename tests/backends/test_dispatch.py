@@ -22,8 +22,8 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb._registry import AUTO_BASIS
 from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
+from optax_lamb.step._registry import AUTO_BASIS
 
 LEAF = jax.ShapeDtypeStruct((64, 32), jnp.float32)
 
@@ -288,7 +288,7 @@ def test_the_fused_apply_is_carried_by_lamb_on_a_backend_with_its_own_wrappers()
 
 def test_pallas_is_an_alias_of_pallas_triton():
   """The name before the rename still picks the Triton kernels; the old module still imports."""
-  from optax_lamb import _registry
+  from optax_lamb.step import _registry
 
   assert _registry.backend("pallas") is _registry.backend("pallas_triton")
   sys.modules.pop("optax_lamb.backends.pallas", None)

@@ -23,7 +23,8 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb import _ratios, compat
+from optax_lamb import compat
+from optax_lamb.core import _ratios
 
 SHAPES = {
   "odd": (600, 500),  # 300,000: no power-of-two blocks

@@ -26,9 +26,6 @@ from helpers.asserts import FEW_ROUNDINGS, assert_trees_close
 from helpers.implementations import EIGHT_BIT_BLOCKS, lamb_for
 
 import optax_lamb
-from optax_lamb import _moment_storage, _plan, _quantize
-from optax_lamb._options import LambOptions, StepScalars
-from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends.pallas_triton import (
   BlockSizes,
   PallasTritonBackend,
@@ -37,6 +34,10 @@ from optax_lamb.backends.pallas_triton import (
   pass1,
   pass2,
 )
+from optax_lamb.core import _moment_storage, _quantize
+from optax_lamb.core._options import LambOptions, StepScalars
+from optax_lamb.core._quantize import QuantizedMoment
+from optax_lamb.step import _plan
 
 SIZES = EIGHT_BIT_BLOCKS
 # name: (shape, stacked axes, adapted, decays)

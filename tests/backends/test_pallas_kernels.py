@@ -32,8 +32,6 @@ from helpers.trees import by_path, make_params
 from runs import update_then_apply
 
 import optax_lamb
-from optax_lamb import _plan
-from optax_lamb._options import LambOptions, StepScalars
 from optax_lamb.backends.pallas_triton import (
   BlockSizes,
   PallasTritonBackend,
@@ -42,6 +40,8 @@ from optax_lamb.backends.pallas_triton import (
   pass2,
   slice_sums,
 )
+from optax_lamb.core._options import LambOptions, StepScalars
+from optax_lamb.step import _plan
 
 BLOCK_SIZES = PALLAS_BLOCKS
 

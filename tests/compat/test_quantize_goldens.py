@@ -1,4 +1,4 @@
-"""optax_lamb._quantize against bitsandbytes' quantize_blockwise, recorded by
+"""optax_lamb.core._quantize against bitsandbytes' quantize_blockwise, recorded by
 record_quantize_goldens.py (bitsandbytes 0.50.2 on the CPU, block 256).
 
 Where the designs coincide (the same dynamic maps, absmax scales, blocks of 256 along a
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from helpers import quantize_reference as ref
 
-from optax_lamb import _quantize as q
+from optax_lamb.core import _quantize as q
 
 GOLDENS = Path(__file__).resolve().parent / "goldens"
 GRID = 65535  # bitsandbytes' lookup table: 65,536 points on [-1, 1]

@@ -5,7 +5,7 @@ Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022),
 section 2: the dynamic tree data type (a decade exponent and a linear fraction)
 and block-wise absmax scaling. The code table is built the way the paper
 describes it, as bin midpoints per decade, with no use of the closed forms of
-``optax_lamb._quantize``; encoding is a search for the nearest table value.
+``optax_lamb.core._quantize``; encoding is a search for the nearest table value.
 
 Storage conventions this reference shares with the library (they are its
 documented layout, not its algorithm): blocks along the last axis; unsigned

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_lamb
-from optax_lamb._quantize import QuantizedMoment
+from optax_lamb.core._quantize import QuantizedMoment
 
 SHAPES = {"w": (16, 512), "wide": (4, 4096), "stack": (8, 4, 256), "emb": (4096,), "b": (32,)}
 STACKED = {"w": 0, "wide": 0, "stack": 1, "emb": 0, "b": 0}

@@ -3,7 +3,7 @@
 One ``tx.update`` of lamb on the XLA path crosses at most 8 of the package's
 files, top to bottom: a module calls only modules below it in `XLA_PATH`, never
 back up (docs/architecture.md draws both paths). The Pallas path keeps the same
-rule, with its backend package in place of ``backends/xla.py``. The walk is
+rule, with its backend package in place of ``backends/xla/``. The walk is
 recorded with ``sys.setprofile`` while the update is traced (its Python runs
 once, at trace time).
 """
@@ -26,17 +26,17 @@ PACKAGE = Path(optax_lamb.__file__).resolve().parent
 
 # Top to bottom: a module may call the ones after it, never one before it.
 XLA_PATH = [
-  "_transform.py",
-  "_registry.py",
-  "backends/xla.py",
-  "_plan.py",
-  "_checks.py",
-  "_chunked_sums.py",  # 8-bit moments on one CPU device only (`XlaBackend.chunked_sums`)
-  "_ratios.py",
-  "_leaf.py",
-  "_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)
-  "_quantize.py",
-  "_options.py",
+  "step/_transform.py",
+  "step/_registry.py",
+  "backends/xla/__init__.py",
+  "step/_plan.py",
+  "faults/_checks.py",
+  "backends/xla/_chunked_sums.py",  # 8-bit moments on one CPU device only (`XlaBackend.chunked_sums`)
+  "core/_ratios.py",
+  "core/_leaf.py",
+  "core/_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)
+  "core/_quantize.py",
+  "core/_options.py",
 ]
 PALLAS_BACKEND = [
   "backends/pallas_triton/driver.py",
@@ -98,8 +98,8 @@ def test_one_update_walks_down_the_layers(implementation, path):
 def test_an_update_with_8bit_moments_walks_down_the_layers(chunked):
   backend = XlaBackend(chunked_sums=1024 if chunked else 0)
   files, edges = _walk(backend, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
-  assert {"_moment_storage.py", "_quantize.py"} <= set(files) <= set(XLA_PATH), files
-  assert ("_chunked_sums.py" in files) == chunked, files
+  assert {"core/_moment_storage.py", "core/_quantize.py"} <= set(files) <= set(XLA_PATH), files
+  assert ("backends/xla/_chunked_sums.py" in files) == chunked, files
   upward = [(a, b) for a, b in edges if XLA_PATH.index(a) >= XLA_PATH.index(b)]
   assert not upward, upward
 
@@ -108,9 +108,13 @@ def _package_modules() -> list[Path]:
   return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_modules_are_at_most_300_lines():
-  long = {str(p.relative_to(PACKAGE)): n for p in _package_modules()
-          if (n := len(p.read_text().splitlines())) > 300}  # fmt: skip
+def test_modules_are_at_most_400_lines():
+  """The size guide: 400 formatted lines, a guide rather than a target."""
+  long = {
+    str(p.relative_to(PACKAGE)): n
+    for p in _package_modules()
+    if (n := len(p.read_text().splitlines())) > 400
+  }
   assert not long, long
 
 

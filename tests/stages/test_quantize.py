@@ -1,4 +1,4 @@
-"""Block-wise dynamic quantization (optax_lamb._quantize) against the float64 reference.
+"""Block-wise dynamic quantization (optax_lamb.core._quantize) against the float64 reference.
 
 Codes must equal the reference's nearest codes except near a tie: where x / s lies
 within 2^-21 (relative) of a midpoint between two codes, float32 rounding of the
@@ -17,7 +17,7 @@ from helpers import seeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optax_lamb import _quantize as q
+from optax_lamb.core import _quantize as q
 
 SIGNS = [True, False]
 NEAR_TIE = 2.0**-21  # a few float32 ulps, relative

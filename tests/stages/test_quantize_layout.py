@@ -1,4 +1,4 @@
-"""The layout of a quantized moment leaf (optax_lamb._quantize): blocks per stacked slice and
+"""The layout of a quantized moment leaf (optax_lamb.core._quantize): blocks per stacked slice and
 per shard, which leaves are quantized, the checks of dequantize, and checkpointing.
 
 The values themselves are checked against the float64 reference in test_quantize.py.
@@ -13,8 +13,8 @@ from helpers import quantize_reference as ref
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_lamb import _quantize as q
-from optax_lamb._moment_storage import quantizes
+from optax_lamb.core import _quantize as q
+from optax_lamb.core._moment_storage import quantizes
 
 SIGNS = [True, False]
 quantize = jax.jit(q.quantize, static_argnames=("signed", "block_size"))

@@ -24,8 +24,8 @@ from helpers import lamb8bit_reference as ref
 from helpers import quantize_reference as qref
 
 import optax_lamb
-from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends.xla import XlaBackend
+from optax_lamb.core._quantize import QuantizedMoment
 
 EPS32 = float(np.finfo(np.float32).eps)
 SHAPES = {

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from optax_lamb import _interop, _ratios
-from optax_lamb._options import ScalarLayout, StepScalars
-from optax_lamb._plan import LeafPlan
+from optax_lamb import _interop
+from optax_lamb.core import _ratios
+from optax_lamb.core._options import ScalarLayout, StepScalars
+from optax_lamb.step._plan import LeafPlan
 
 # Element offsets inside the kernels are int32 (byte addresses are 64-bit in Triton).
 INT32_LIMIT = 2**31 - 1

@@ -1,6 +1,6 @@
 """The Pallas Triton backend: one lamb step on the kernels, and where they run.
 
-The step, from the plan (`optax_lamb._plan`), for the tree's leaves:
+The step, from the plan (`optax_lamb.step._plan`), for the tree's leaves:
 
 1. `pass1` over the adapted leaves, in buckets: m', v' in place where the
    moments are stored unrounded, and per-chunk partial sums;
@@ -19,7 +19,7 @@ unrounded moments, as the XLA path and optax do.
 8-bit block-wise quantized moments (``mu_dtype=jnp.int8, nu_dtype=jnp.uint8``)
 are such moments: both passes read the codes and the scales of a chunk's blocks
 and dequantize them in registers; pass 2 requantizes the new moments with
-`optax_lamb._quantize`'s functions and writes codes, scales and the update (or
+`optax_lamb.core._quantize`'s functions and writes codes, scales and the update (or
 p) in the same pass (`operands`). The kernels take them where every
 quantization block lies whole in one chunk: a leaf whose last axis is a multiple
 of 256 and not stacked, with ``BlockSizes.block`` a multiple of 256. A step with
@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _ratios
-from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
-from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends import per_device
 from optax_lamb.backends.pallas_triton import common, operands, pass1, pass2, slice_sums
 from optax_lamb.backends.pallas_triton.common import BlockSizes
+from optax_lamb.core import _options, _ratios
+from optax_lamb.core._quantize import QuantizedMoment
+from optax_lamb.step._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
@@ -228,7 +228,7 @@ def _psum_slots(x: jax.Array, slot_names: list) -> jax.Array:
   """`_ratios.psum_by_name` over the entries of one vector, each entry with its own axis names."""
   names = list(dict.fromkeys(slot_names))
   if len(names) <= 1:
-    return _ratios.psum_if(x, names[0] if names else None)
+    return _options.psum_if(x, names[0] if names else None)
   groups = [np.array([i for i, n in enumerate(slot_names) if n == name]) for name in names]
   summed = _ratios.psum_by_name([x[g] for g in groups], names)
   return jnp.concatenate(summed)[np.argsort(np.concatenate(groups))]

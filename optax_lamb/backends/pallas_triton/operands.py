@@ -2,7 +2,7 @@
 
 The kernels take each leaf's arrays flat (1-D) and load one chunk of ``block``
 elements per program (`common.chunk`). A moment stored 8-bit block-wise
-quantized (``mu_dtype=jnp.int8``, ``nu_dtype=jnp.uint8``: `optax_lamb._quantize`)
+quantized (``mu_dtype=jnp.int8``, ``nu_dtype=jnp.uint8``: `optax_lamb.core._quantize`)
 is passed as its two arrays, the codes and the float32 scales, both flat: a
 program loads the chunk's codes and the scales of its blocks, which `_leaf`
 dequantizes in registers as a 1-D leaf; pass 2 writes the chunk's new codes and
@@ -29,11 +29,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _quantize
-from optax_lamb._plan import LeafPlan
-from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends.pallas_triton import common
 from optax_lamb.backends.pallas_triton.common import Chunk
+from optax_lamb.core import _quantize
+from optax_lamb.core._quantize import QuantizedMoment
+from optax_lamb.step._plan import LeafPlan
 
 BLOCK = _quantize.BLOCK_SIZE
 

@@ -18,10 +18,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _leaf, _ratios
-from optax_lamb._options import LambOptions
 from optax_lamb.backends.pallas_triton import common, operands
 from optax_lamb.backends.pallas_triton.common import BlockSizes, LeafChunks, Table
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._options import LambOptions
 
 _INPUTS = ("g", "m", "p", "v")
 

@@ -18,11 +18,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _leaf
-from optax_lamb._options import LambOptions, StepScalars
-from optax_lamb._plan import LeafPlan
 from optax_lamb.backends.pallas_triton import common, operands
 from optax_lamb.backends.pallas_triton.common import BlockSizes, Table
+from optax_lamb.core import _leaf
+from optax_lamb.core._options import LambOptions, StepScalars
+from optax_lamb.step._plan import LeafPlan
 
 
 def from_grads(leaf: LeafPlan) -> bool:

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _interop, _leaf, _nnx, _ratios
-from optax_lamb._options import RatioLayout, StepScalars
-from optax_lamb._plan import ScaleByTrustRatioState
+from optax_lamb import _interop, _nnx
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._options import RatioLayout, ScaleByTrustRatioState, StepScalars
+from optax_lamb.faults import _check_args, _checks
 
 
 def scale_by_trust_ratio(

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _checks
-from optax_lamb._options import LambConfig, is_axis_name
+from optax_lamb.core._options import LambConfig, is_axis_name
 
 _BOOLS = (bool, np.bool_)
 
@@ -129,7 +128,7 @@ _QUANTIZED = {"mu_dtype": ("int8", "the first moment, signed"),
 def check_moment_dtype(name: str, value: Any) -> np.dtype | None:
   """A moment's storage dtype (`name` is "mu_dtype" or "nu_dtype"): None, a floating-point
   dtype, or the 8-bit dtype that selects block-wise quantized storage for that moment
-  (int8 for mu, uint8 for nu; `optax_lamb._moment_storage`); the other 8-bit one raises."""
+  (int8 for mu, uint8 for nu; `optax_lamb.core._moment_storage`); the other 8-bit one raises."""
   try:
     dtype = None if value is None else jnp.dtype(value)
   except TypeError:
@@ -153,7 +152,7 @@ def check_transformation(name: str, value: Any) -> None:
 
 def check_per_leaf(name: str, value: Any, kind: str) -> None:
   if value is not None and not callable(value):
-    _checks.check_per_leaf_values(name, value, kind)
+    check_per_leaf_values(name, value, kind)
 
 
 def check_axis_name(name: str, value: Any) -> None:
@@ -215,3 +214,26 @@ def scalar_valued(value: Any, name: str) -> Any:
 
   schedule._scalar_valued = True  # type: ignore[attr-defined]
   return schedule
+
+
+_KINDS = {"bool": "True or False", "int": "an int >= 0"}
+
+
+def _leaf_error(kind: str, leaf: Any) -> type[Exception] | None:
+  """None for a valid value of a per-leaf option of `kind`, else the error to raise."""
+  if kind == "bool":
+    return None if isinstance(leaf, _BOOLS) else TypeError
+  if not isinstance(leaf, numbers.Integral) or isinstance(leaf, _BOOLS):
+    return TypeError
+  return None if int(leaf) >= 0 else ValueError
+
+
+def check_per_leaf_values(name: str, value: Any, kind: str) -> None:
+  """Every leaf of the pytree `value` is of `kind` ("bool" or "int"); None leaves are allowed."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+    error = _leaf_error(kind, leaf)
+    if error is not None:
+      raise error(
+        f"{name} must be None, {_KINDS[kind]}, a pytree of those (a prefix of the params) or a "
+        f"callable(params) returning one; got {name}{jax.tree_util.keystr(path)}={leaf!r}"
+      )

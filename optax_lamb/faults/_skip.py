@@ -9,8 +9,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _explain, _loss_scale, _nnx, _spikes
-from optax_lamb._spikes import SkipSpikesState, SpikeRule
+from optax_lamb import _nnx
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._options import LambConfig
+from optax_lamb.faults import _check_args, _checks, _explain, _loss_scale, _spikes
+from optax_lamb.faults._decision import decide, passes
+from optax_lamb.faults._spikes import SkipSpikesState, SpikeRule
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -66,14 +70,6 @@ def all_finite(tree: Any, axis_name: Any = None, names_of: Any = None) -> jax.Ar
     jnp.zeros((), jnp.int32),
   )
   return _checks.psum_over_names(bad, names) == 0
-
-
-def decide(ok: jax.Array, consecutive: jax.Array, max_errors: int | None) -> tuple:
-  """(the new count of skipped steps in a row, whether this step is applied)."""
-  consecutive = jnp.where(ok, 0, optax.safe_increment(consecutive))
-  if max_errors is None:
-    return consecutive, ok
-  return consecutive, jnp.logical_or(ok, consecutive > max_errors)
 
 
 def initial_state(inner_state: Any) -> SkipNonFiniteState:
@@ -162,7 +158,7 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
              check_results: bool, grads_ok: GradsOk | None = None, spikes: SpikeRule | None = None,
              ) -> optax.GradientTransformationExtraArgs:  # fmt: skip
   """`skip_nonfinite` with checked arguments; `grads_ok` decides from the gradients in place of
-  their finiteness (lamb's own skip: `optax_lamb._plan.gradients_ok`)."""
+  their finiteness (lamb's own skip: `gradients_ok`)."""
   inner = optax.with_extra_args_support(inner)
   state_type = SkipNonFiniteState if spikes is None else SkipSpikesState
 
@@ -186,7 +182,7 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
       return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors,
                                (spikes, verdict))  # fmt: skip
     ok = all_finite(updates, axis_name) if grads_ok is None else grads_ok(updates, params)
-    consecutive, take = decide(_spikes.passes(ok, verdict), state.consecutive, max_errors)
+    consecutive, take = decide(passes(ok, verdict), state.consecutive, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
 
@@ -212,7 +208,7 @@ def _checking_results(inner: Any, updates: Any, state: Any, params: Any,
   new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
   # A per-leaf axis_name is the gradients' tree: the results are agreed over its axes.
   finite = all_finite((updates, new_updates, new_inner), axis_name, names_of=updates)
-  consecutive, take = decide(_spikes.passes(finite, judged[1]), state.consecutive, max_errors)
+  consecutive, take = decide(passes(finite, judged[1]), state.consecutive, max_errors)
   new_updates, new_inner = jax.lax.cond(
     take,
     lambda taken, kept: taken,
@@ -272,3 +268,23 @@ def skip_counts(opt_state: Any) -> SkipCounts:
   # Plain arrays also from a Flax NNX optimizer's state (OptVariable wrappers).
   counts = _nnx.plain_values((found[0].total, found[0].consecutive))
   return SkipCounts(*counts)
+
+
+def gradients_ok(config: LambConfig, master_weights: bool) -> GradsOk:
+  """lamb's own skip rule as a function of (grads, params), for the wrapper around the chain of
+  stages or the master weights: what `plan_step` decides with a `SkipRule` (the moments in
+  the params' dtype, or the master's with `master_weights`)."""
+
+  def ok(grads: Any, params: Any) -> jax.Array:
+    names = _checks.resolve_axis_names(config.per_leaf.axis_name, params)
+    leaves = [_leaf.to_compute_dtype(g) for g in jax.tree.leaves(grads)]
+    factor = None
+    if config.hyper.max_grad_norm is not None:
+      norm = _ratios.global_norm(leaves, names)
+      factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
+    dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
+    nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
+    limits = _leaf.overflow_limits(config.options.nu_dtype, nus)
+    return _checks.gradients_ok(leaves, factor, limits, names)
+
+  return ok

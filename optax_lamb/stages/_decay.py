@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _options
+from optax_lamb.core import _leaf, _options
+from optax_lamb.faults import _check_args, _checks
 
 
 def add_decayed_weights(

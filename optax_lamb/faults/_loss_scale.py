@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _interop, _leaf, _options
+from optax_lamb import _interop
+from optax_lamb.core import _leaf, _options
+from optax_lamb.faults import _check_args
 
 _DIVIDES = "_optax_lamb_divides_by_grad_scale"  # marks the update functions that read it
 
@@ -32,7 +34,7 @@ class UnscaleGradientsState(NamedTuple):
 
 
 def unscale(grads: Any, grad_scale: Any) -> Any:
-  """Divide every gradient by `grad_scale` in float32 (at least) (`optax_lamb._leaf.unscale`).
+  """Divide every gradient by `grad_scale` in float32 (at least) (`optax_lamb.core._leaf.unscale`).
 
   Low-precision gradients come back in float32: a loss-scaled float16 gradient
   holds values that underflow in float16 once unscaled.

@@ -15,7 +15,7 @@ Adding a backend (say ``"pallas_mosaic_gpu"``) is one module under
   backend (the kernels run in interpret mode without a GPU, with a warning),
   falling back to XLA with a warning where it cannot compute the step.
 * ``"xla"``: the fused XLA path; XLA partitions it under ``jax.jit``.
-* ``"reference"``: the chain of stages, built by `optax_lamb._transform` instead
+* ``"reference"``: the chain of stages, built by `optax_lamb.step._transform` instead
   of a backend step.
 
 Warnings point at the caller's line, however many wrappers sit in between.
@@ -37,8 +37,7 @@ from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 import jax
 import numpy as np
 
-from optax_lamb._plan import LeafArrays, StepPlan, StepResult
-from optax_lamb.backends.xla import XlaBackend
+from optax_lamb.step._plan import LeafArrays, StepPlan, StepResult
 
 ImplementationName: TypeAlias = Literal["auto", "xla", "reference", "pallas_triton", "pallas"]
 Implementation: TypeAlias = "ImplementationName | Backend"
@@ -103,7 +102,7 @@ def _import(module: str, attribute: str) -> Callable[[], Backend]:
 
 # name -> (what it is, a function making the backend with its default configuration)
 _LOADERS: dict[str, tuple[str, Callable[[], Backend]]] = {
-  "xla": ("XLA", XlaBackend),
+  "xla": ("XLA", _import("optax_lamb.backends.xla", "XlaBackend")),
   "pallas_triton": (
     "Pallas Triton",
     _import("optax_lamb.backends.pallas_triton", "PallasTritonBackend"),

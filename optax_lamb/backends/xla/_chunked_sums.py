@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _leaf, _ratios
-from optax_lamb._options import LambOptions, StepScalars
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._options import LambOptions, StepScalars
 
 CHUNK_ELEMENTS = 1 << 16  # one 4096x4096 leaf, 8-bit: 2^14 to 2^18 timed alike
 LEAF_FRACTION = 32  # BERT-base, 8-bit: 1/64 1.97 s (0.009x), 1/32 1.45 s (0.029x)

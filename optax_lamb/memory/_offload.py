@@ -7,8 +7,10 @@ from typing import Any, Literal
 import jax
 import optax
 
-from optax_lamb import _check_args, _checks, _interop, _moment_storage
-from optax_lamb._quantize import QuantizedMoment
+from optax_lamb import _interop
+from optax_lamb.core import _moment_storage
+from optax_lamb.core._quantize import QuantizedMoment
+from optax_lamb.faults import _check_args, _checks
 
 Compute = Literal["device", "host"]
 

@@ -1,12 +1,12 @@
 r"""One leaf's LAMB step, element by element, written once: the formulas every implementation computes.
 
 The stand-alone stages (`_adam`, `_decay`, `_trust_ratio`, `_clipping`), the
-fused XLA backend (`backends/xla.py`) and the Pallas kernels (on the blocks
+fused XLA backend (`backends/xla/`) and the Pallas kernels (on the blocks
 they load) all call these functions with the step's `LambOptions` (switches)
 and `StepScalars` (numbers). Reductions over a leaf or a tree (norms, the trust
-ratios, caution's kept fraction) are `optax_lamb._ratios`'. Adding a
+ratios, caution's kept fraction) are `optax_lamb.core._ratios`'. Adding a
 per-element option means a field of `LambOptions` or `StepScalars`, its use
-here, and its value in `optax_lamb._plan`.
+here, and its value in `optax_lamb.step._plan`.
 
 Notation (You et al. 2019, Algorithm 2): g gradient, p parameter, t step
 (1-based), m and v the moments, u the direction before the trust ratio, r the
@@ -23,7 +23,7 @@ trust ratio of a leaf (or of a stacked slice of one):
 The variants other libraries compute (``optax_lamb.compat``) are fields of
 `LambOptions` (`grad_averaging`: m gets g instead of (1 - b1) g; the decay's
 `weight_decay_placement`; timm's `caution`) or of `StepScalars` (`max_param_norm`,
-a clamp of ||p||), or values that `optax_lamb._plan` folds into the existing ones
+a clamp of ||p||), or values that `optax_lamb.step._plan` folds into the existing ones
 (the clip's norm eps in `clip_factor`, the bias correction on the step size).
 """
 
@@ -35,8 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lamb import _interop, _moment_storage
-from optax_lamb._options import LambOptions, Scalar, StepScalars
+from optax_lamb import _interop
+from optax_lamb.core import _moment_storage
+from optax_lamb.core._options import LambOptions, Scalar, StepScalars
 
 CAUTION_MIN_FRACTION = 1e-3  # timm: the kept part is rescaled by at most 1 / 1e-3
 
@@ -99,7 +100,7 @@ def update_moments(g, m, v, b1: Scalar, b2: Scalar, grad_averaging: bool = True)
   """m_t = b1 m + (1 - b1) g,  v_t = b2 v + (1 - b2) g^2 (paper lines 6-7), in the compute dtype.
 
   Without `grad_averaging` m_t = b1 m + g (apex's and timm's switch); v is unchanged.
-  A moment stored 8-bit quantized (`optax_lamb._moment_storage`) is dequantized first.
+  A moment stored 8-bit quantized (`optax_lamb.core._moment_storage`) is dequantized first.
   """
   dtype = compute_dtype(g.dtype)
   g = g.astype(dtype)
@@ -161,7 +162,7 @@ def direction(m, v, p, o: LambOptions, s: StepScalars, *, decay: bool, dtype=Non
   """The Adam direction (in `dtype`, default the moments'), plus wd p where the leaf decays in it.
 
   With ``o.caution`` it is first masked by `cautious`, which needs the moments'
-  gradient `g` and the leaf's kept fraction `kept` (`optax_lamb._ratios.caution_fraction`).
+  gradient `g` and the leaf's kept fraction `kept` (`optax_lamb.core._ratios.caution_fraction`).
   """
   u = adam_direction(m, v, s)
   if o.caution:

@@ -2,8 +2,8 @@
 
 The prologue checks the trees and the state (against ``init(params)``), divides
 by the loss scale and casts to float32; the step is the chain of stages
-(``implementation="reference"``, `optax_lamb._reference`) or a planned step
-(`optax_lamb._plan`) on the backend the registry picks (`optax_lamb._registry`).
+(``implementation="reference"``, `optax_lamb.step._reference`) or a planned step
+(`optax_lamb.step._plan`) on the backend the registry picks (`optax_lamb.step._registry`).
 The same prologue runs before ``tx.update`` and before the fused apply of
 :func:`optax_lamb.update_and_apply`, which the transformation carries as the
 ``fused_apply`` attribute of its update function (only where no wrapper sits
@@ -19,26 +19,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import (
-  _check_args,
-  _checks,
-  _interop,
-  _leaf,
-  _options,
-  _plan,
-  _reference,
-  _registry,
-  _skip,
-  _spikes,
-)
-from optax_lamb._loss_scale import (
+from optax_lamb import _interop
+from optax_lamb.core import _leaf, _options
+from optax_lamb.core._options import LambConfig
+from optax_lamb.faults import _check_args, _checks, _skip, _spikes
+from optax_lamb.faults._loss_scale import (
   UnscaleGradientsState,
   check_grad_scale,
   divides_by_grad_scale,
   given_scale,
 )
-from optax_lamb._mixed_precision import MasterWeightsState, delta, master_copy, with_master_weights
-from optax_lamb._options import LambConfig
+from optax_lamb.memory._mixed_precision import (
+  MasterWeightsState,
+  delta,
+  master_copy,
+  with_master_weights,
+)
+from optax_lamb.step import _plan, _reference, _registry
 
 Step = Callable[..., tuple[Any, Any]]  # (grads, state, params, *, apply) -> (out, state)
 
@@ -141,7 +138,7 @@ def build(
   if master_weights and not fused:
     tx = with_master_weights(tx)
   if skip_nonfinite and not fused:
-    grads_ok = _plan.gradients_ok(config, master_weights)
+    grads_ok = _skip.gradients_ok(config, master_weights)
     tx = _skip.skipping(tx, config.per_leaf.axis_name, None, False, grads_ok, skip_spikes)
   # update_and_apply writes the new params in the last pass (on a backend); the chain of
   # stages falls back to update + apply_updates.
@@ -242,7 +239,7 @@ def _next_state(plan: _plan.StepPlan, result: _plan.StepResult, state: tuple) ->
   (which a skipped step already kept); the counts and ratios kept where it was skipped."""
   unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
   adam = optax.ScaleByAdamState(count=plan.count, mu=unflatten(result.mu), nu=unflatten(result.nu))
-  ratio_state = _plan.ScaleByTrustRatioState.after_step(result.ratios, plan.layout)
+  ratio_state = _options.ScaleByTrustRatioState.after_step(result.ratios, plan.layout)
   assert plan.parts is not None
   new = plan.parts._replace(adam=adam, trust_ratio=ratio_state)
   if plan.scalars.take is not None:

@@ -1,7 +1,7 @@
 """How a moment leaf is stored: a float array of its dtype, or 8-bit block-wise quantized.
 
 ``mu_dtype=jnp.int8`` / ``nu_dtype=jnp.uint8`` select the block-wise quantized storage of
-`optax_lamb._quantize` (never a plain cast): a leaf that `quantizes` is stored as a
+`optax_lamb.core._quantize` (never a plain cast): a leaf that `quantizes` is stored as a
 `QuantizedMoment` (int8 codes of the signed map for m, uint8 codes of the unsigned map for v,
 float32 scales per block of 256 along the last axis); a smaller leaf (under 4,096 elements,
 0-d, or a last axis of 1) keeps float32. The layout depends on the param's shape only.
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _quantize
-from optax_lamb._quantize import QuantizedMoment
+from optax_lamb.core import _quantize
+from optax_lamb.core._quantize import QuantizedMoment
 
 QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
 MIN_SIZE = 4096  # smaller leaves stay float32 (bitsandbytes' min_8bit_size)

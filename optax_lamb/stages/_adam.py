@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _moment_storage, _ratios
-from optax_lamb._options import LambOptions, StepScalars
+from optax_lamb.core import _leaf, _moment_storage, _ratios
+from optax_lamb.core._options import LambOptions, StepScalars
+from optax_lamb.faults import _check_args, _checks
 
 
 def scale_by_adam(
@@ -89,7 +90,7 @@ def adam_stage(
   stacked_axes: Any = None,
   axis_name: Any = None,
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_adam` with checked arguments, and timm's caution (`optax_lamb._leaf.cautious`
+  """:func:`scale_by_adam` with checked arguments, and timm's caution (`optax_lamb.core._leaf.cautious`
   over each leaf's or stacked slice's kept fraction, counted over `axis_name`)."""
   options = LambOptions(grad_averaging=grad_averaging, caution=caution)
 

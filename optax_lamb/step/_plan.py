@@ -2,7 +2,7 @@
 
 `plan_step` reads lamb's configuration and state and fixes what the step computes: its
 `StepScalars` (bias corrections, the learning rate and weight decay at this step, the clip
-factor from `global_norm`: each a schedule's value at this step where it is one) and, per leaf,
+factor from `_ratios.global_norm`: each a schedule's value at this step where it is one) and, per leaf,
 the static `LeafPlan` (decay, adaptation, stacked axes, mapped axis names, where its ratios sit
 in the state's ratio vector). A backend (`optax_lamb.backends`) computes from the plan and the
 leaves' arrays only; `_transform` assembles the state it returns from them, so the state is the
@@ -12,44 +12,22 @@ same on every backend: the stage chain's state.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _checks, _leaf, _options, _ratios, _skip, _spikes
-from optax_lamb._options import LambConfig, LambOptions, RatioLayout, StepScalars
-from optax_lamb._quantize import QuantizedMoment
-
-
-class ScaleByTrustRatioState(NamedTuple):
-  """The trust ratios of the last update: one float32 vector for the whole tree (one buffer, as
-  a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`).
-
-  Attributes:
-    ratios: float32 vector, one entry per leaf (or per stacked slice), in the order
-      that ``layout`` gives; ones before the first update.
-    layout: the static :class:`RatioLayout` (no arrays) that maps entries to leaves.
-
-  Example (leaves in ``jax.tree.leaves`` order: bias, then one entry per layer):
-    >>> import jax, jax.numpy as jnp, optax_lamb
-    >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}
-    >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
-    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
-    >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)
-    [1.0, 1.0, 2.0] float32
-  """
-
-  ratios: jax.Array
-  layout: RatioLayout
-
-  @classmethod
-  def after_step(cls, ratios: jax.Array, layout: RatioLayout) -> ScaleByTrustRatioState:
-    """The state of the ratios a step applied, in float32 (as `init` makes them)."""
-    return cls(ratios=ratios.astype(jnp.float32), layout=layout)
-
+from optax_lamb.core import _leaf, _options, _ratios
+from optax_lamb.core._options import (
+  LambConfig,
+  LambOptions,
+  RatioLayout,
+  ScaleByTrustRatioState,
+  StepScalars,
+)
+from optax_lamb.core._quantize import QuantizedMoment
+from optax_lamb.faults import _checks, _decision
 
 T = TypeVar("T")  # arrays, or what stands in their place (PartitionSpec, NamedSharding)
 
@@ -139,7 +117,7 @@ class SkipRule(NamedTuple):
 
   consecutive: jax.Array
   max_errors: int | None
-  verdict: Any = None  # optax_lamb._spikes.Verdict: a spike is skipped too
+  verdict: Any = None  # optax_lamb.faults._decision.Verdict: a spike is skipped too
 
 
 class Skipping(NamedTuple):
@@ -193,7 +171,7 @@ def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: l
     step_size = step_size * _leaf.step_size_correction(*_leaf.bias_corrections(count, h.b1, h.b2))
   clip_factor = None
   if h.max_grad_norm is not None:
-    norm = global_norm(jax.tree.leaves(grads), names)
+    norm = _ratios.global_norm(jax.tree.leaves(grads), names)
     clip_factor = _leaf.clip_factor(norm, h.max_grad_norm, h.clip_norm_eps)
   scalars = StepScalars(
     b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root, bc1=bc1, bc2=bc2, weight_decay=wd,
@@ -242,51 +220,8 @@ def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
   skipping = None
   if rule is not None:
     ok = _checks.gradients_ok(gs, scalars.clip_factor, _leaf.overflow_limits(nu_dtype, vs), names)
-    fine = ok if rule.verdict is None else _spikes.passes(ok, rule.verdict)
-    consecutive, take = _skip.decide(fine, rule.consecutive, rule.max_errors)
+    fine = ok if rule.verdict is None else _decision.passes(ok, rule.verdict)
+    consecutive, take = _decision.decide(fine, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)
   parts = parts._replace(decay=decay_state, learning_rate=lr_state)
   return StepPlan(config.options, scalars, leaves, layout, treedef, count, parts, skipping)
-
-
-def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
-  """lamb's own skip rule as a function of (grads, params), for the wrapper around the chain of
-  stages or the master weights: what `plan_step` decides with a `SkipRule` (the moments in
-  the params' dtype, or the master's with `master_weights`)."""
-
-  def ok(grads: Any, params: Any) -> jax.Array:
-    names = _checks.resolve_axis_names(config.per_leaf.axis_name, params)
-    leaves = [_leaf.to_compute_dtype(g) for g in jax.tree.leaves(grads)]
-    factor = None
-    if config.hyper.max_grad_norm is not None:
-      norm = global_norm(leaves, names)
-      factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
-    dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
-    nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
-    limits = _leaf.overflow_limits(config.options.nu_dtype, nus)
-    return _checks.gradients_ok(leaves, factor, limits, names)
-
-  return ok
-
-
-def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
-  """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
-  every finite input: the plain sum, or where it overflowed (computed only then) the sum at
-  `_ratios.DOWN`, finite for every float32 x (small leaves on one device: `_ratios.small_sums`)."""
-  joint = [name is None and _ratios.one_device() for name in names]
-
-  def total(scale: float) -> jax.Array:
-    by_name: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
-    for x, name, j in zip(leaves, names, joint, strict=True):
-      s: Any = scale
-      if scale != 1.0:  # in the conditional's branch, where x is already a buffer: free
-        # A scale of each leaf's own: XLA:CPU shares one broadcast of a constant among leaves of
-        # one shape and stores it, a leaf-sized temporary (benchmarks/NOTES.md, 2026-11-28).
-        s, x = jax.lax.optimization_barrier((jnp.asarray(scale, jnp.float32), x))
-      sq = _ratios.sq_norm(x, joint=j, scale=s)
-      by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
-    return sum((_ratios.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
-
-  sq = total(1.0)
-  rescued = lambda: _ratios.safe_sqrt(total(_ratios.DOWN)) / _ratios.DOWN
-  return jax.lax.cond(jnp.isinf(sq), rescued, lambda: _ratios.safe_sqrt(sq))

@@ -20,7 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _checks, _nnx, _plan, _ratios
+from optax_lamb import _nnx
+from optax_lamb.core import _options, _ratios
+from optax_lamb.faults import _checks
+from optax_lamb.faults._decision import Verdict, passes
 
 _BOOLS = (bool, np.bool_)
 
@@ -135,14 +138,6 @@ def initial_state(inner_state: Any) -> SkipSpikesState:
   return SkipSpikesState(count(), count(), inner_state, count(), count(), mean(), count(), mean())
 
 
-class Verdict(NamedTuple):
-  """One step's spike test: whether it is a spike, and the values it was judged on."""
-
-  spike: jax.Array
-  norm: jax.Array
-  loss: jax.Array | None
-
-
 def _axes(axis_name: Any, grads: Any) -> tuple[list, tuple[str, ...] | None]:
   names = _checks.resolve_axis_names(axis_name, grads)
   axes: set[str] = set()
@@ -164,7 +159,7 @@ def _global_norm(leaves: list, names: list) -> jax.Array:
   for x, name in zip(leaves, names, strict=True):
     sums = jnp.stack(_ratios.leaf_sq_sums(x, scales=_ratios.SCALES)).astype(jnp.float32)
     totals[name] = totals.get(name, jnp.zeros(3, jnp.float32)) + sums
-  total = sum((_ratios.psum_if(t, n) for n, t in totals.items()), jnp.zeros(3, jnp.float32))
+  total = sum((_options.psum_if(t, n) for n, t in totals.items()), jnp.zeros(3, jnp.float32))
   plain, down, up = total[0], total[1], total[2]
   rescued = jnp.where(
     jnp.isinf(plain),
@@ -184,7 +179,7 @@ def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
   names, axes = _axes(axis_name, grads)
   leaves = jax.tree.leaves(grads)
   if clip_norm:
-    norm = _plan.global_norm(leaves, names).astype(jnp.float32)
+    norm = _ratios.global_norm(leaves, names).astype(jnp.float32)
   else:
     norm = _global_norm(leaves, names)
   if grad_scale is not None:
@@ -201,15 +196,6 @@ def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
   loss_factor = rule.factor if rule.loss_factor is None else rule.loss_factor
   loss_spike = _above(loss, state.loss_average, state.loss_steps, rule, float(loss_factor))
   return Verdict(jnp.logical_or(spike, loss_spike), norm, loss)
-
-
-def passes(finite: jax.Array, verdict: Verdict | None) -> jax.Array:
-  """Whether the step is fine: finite (its loss too), and not a spike."""
-  if verdict is None:
-    return finite
-  if verdict.loss is not None:
-    finite = jnp.logical_and(finite, jnp.isfinite(verdict.loss))
-  return jnp.logical_and(finite, jnp.logical_not(verdict.spike))
 
 
 def _averaged(average: jax.Array, steps: jax.Array, x: jax.Array, use: jax.Array,

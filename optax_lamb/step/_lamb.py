@@ -6,10 +6,10 @@ from typing import Any
 
 import optax
 
-from optax_lamb import _check_args
-from optax_lamb._options import LambConfig
-from optax_lamb._registry import Implementation
-from optax_lamb._transform import build
+from optax_lamb.core._options import LambConfig
+from optax_lamb.faults import _check_args
+from optax_lamb.step._registry import Implementation
+from optax_lamb.step._transform import build
 
 
 def lamb(
@@ -89,7 +89,7 @@ def lamb(
       replicated leaves. ``None`` (default): no leaf is sharded, as under
       ``pmap`` with replicated params or ``jit`` with ``NamedSharding``.
     implementation: ``"auto"`` (the Pallas kernels on one GPU or inside
-      ``shard_map``, else the XLA path; the rules are in ``optax_lamb/_registry.py``),
+      ``shard_map``, else the XLA path; the rules are in ``optax_lamb/step/_registry.py``),
       ``"xla"`` (two fused passes over memory per leaf), ``"pallas_triton"``
       (alias ``"pallas"``: Triton kernels over buckets of leaves; without a GPU
       they run in Pallas interpret mode, slowly), ``"reference"`` (the plain chain

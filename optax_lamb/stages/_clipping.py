@@ -7,7 +7,8 @@ from typing import Any
 import jax
 import optax
 
-from optax_lamb import _check_args, _checks, _leaf, _plan
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.faults import _check_args, _checks
 
 
 def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.GradientTransformation:
@@ -55,7 +56,7 @@ def clip_stage(max_norm: Any, axis_name: Any, norm_eps: Any = 0.0) -> optax.Grad
   def update_fn(updates, state, params=None) -> tuple[Any, Any]:
     del params
     names = _checks.resolve_axis_names(axis_name, updates)
-    norm = _plan.global_norm(jax.tree.leaves(updates), names)
+    norm = _ratios.global_norm(jax.tree.leaves(updates), names)
     factor = _leaf.clip_factor(norm, max_norm, norm_eps)
     updates = jax.tree.map(lambda g: _leaf.clip(g, factor), updates)
     return updates, state

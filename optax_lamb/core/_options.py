@@ -6,7 +6,13 @@ number (a compile-time constant), a 0-d array (a runtime scalar: a schedule's va
 hyper-parameter injected by ``optax.inject_hyperparams``) or None (off). `ScalarLayout.of`
 is the one place that decides which numbers are constants, by name. `Hyperparams` holds
 the numbers as given; `value_and_next_state` evaluates a schedule and steps its count.
-`RatioLayout` is the static layout of a tree's trust ratios.
+`RatioLayout` is the static layout of a tree's trust ratios, `ScaleByTrustRatioState` the
+state that holds them (built by the trust-ratio stage and the planned step alike).
+
+Also the small helpers the layers above share, kept here, at the bottom, so that no two of
+them import each other: `psum_if` over mapped axes, and `leaf_info` / `same_kind`, a state
+leaf's shape and dtype as `optax_lamb.faults._checks` checks them and
+`optax_lamb.faults._explain` describes them.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ class Hyperparams(NamedTuple):
 @dataclasses.dataclass(frozen=True, eq=False)
 class PerLeafOptions:
   """Options given per leaf (a value, a pytree prefix of the params, or a callable(params));
-  resolved against the params at each step (`optax_lamb._checks.resolve_per_leaf`)."""
+  resolved against the params at each step (`optax_lamb.faults._checks.resolve_per_leaf`)."""
 
   mask: Any = None  # weight-decay mask
   trust_ratio_mask: Any = None
@@ -297,3 +303,57 @@ class LambConfig(NamedTuple):
     if fields:
       raise TypeError(f"unknown lamb configuration fields: {sorted(fields)}")
     return cls(LambOptions(**parts[0]), Hyperparams(**parts[1]), PerLeafOptions(**parts[2]))
+
+
+def psum_if(x: jax.Array, axis_name: Any) -> jax.Array:
+  """Sum over the named mapped axes (shard_map/pmap) when `axis_name` is given."""
+  return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def same_kind(got: np.dtype, want: Any) -> bool:
+  """Whether a state leaf's dtype `got` is what init gives (`want`)."""
+  if jnp.issubdtype(want, jnp.integer):  # step counts: any integer width (a restore may widen)
+    return jnp.issubdtype(got, jnp.integer)
+  return got == np.dtype(want)
+
+
+def leaf_info(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+  """(shape, dtype) of an array-like leaf; None for anything else (a string, an object).
+
+  A ``jax.ShapeDtypeStruct`` (what ``jax.eval_shape(init, params)`` gives) has no
+  values: inside ``jit``/``eval_shape`` the state's leaves are tracers instead.
+  """
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return None
+  try:
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.asarray(x).dtype  # a str: TypeError
+    return tuple(jnp.shape(x)), dtype
+  except TypeError:
+    return None
+
+
+class ScaleByTrustRatioState(NamedTuple):
+  """The trust ratios of the last update: one float32 vector for the whole tree (one buffer, as
+  a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`).
+
+  Attributes:
+    ratios: float32 vector, one entry per leaf (or per stacked slice), in the order
+      that ``layout`` gives; ones before the first update.
+    layout: the static :class:`RatioLayout` (no arrays) that maps entries to leaves.
+
+  Example (leaves in ``jax.tree.leaves`` order: bias, then one entry per layer):
+    >>> import jax, jax.numpy as jnp, optax_lamb
+    >>> params = {"layers": jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), "bias": jnp.ones(3)}
+    >>> tx = optax_lamb.scale_by_trust_ratio(stacked_axes={"layers": 1, "bias": 0})
+    >>> _, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    >>> print([round(r, 4) for r in state.ratios.tolist()], state.ratios.dtype)
+    [1.0, 1.0, 2.0] float32
+  """
+
+  ratios: jax.Array
+  layout: RatioLayout
+
+  @classmethod
+  def after_step(cls, ratios: jax.Array, layout: RatioLayout) -> ScaleByTrustRatioState:
+    """The state of the ratios a step applied, in float32 (as `init` makes them)."""
+    return cls(ratios=ratios.astype(jnp.float32), layout=layout)

@@ -1,4 +1,4 @@
-"""Why a tree or a state does not fit: the descriptions behind the errors of `optax_lamb._checks`.
+"""Why a tree or a state does not fit: the descriptions behind the errors of `optax_lamb.faults._checks`.
 
 Only a call that is about to fail (or a Flax NNX state, whose layouts' tree
 metadata differ between init and update) comes here; a call whose trees and
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _checks  # its leaf helpers, read when an error is described
-from optax_lamb._options import RatioLayout
+from optax_lamb.core import _options
+from optax_lamb.core._options import RatioLayout
 
 RESTORE_HINT = (
   "This looks like a checkpoint restored without a target (orbax and flax.serialization then "
@@ -79,7 +79,7 @@ def _describe(x: Any) -> str:
     return "None"
   node = _node(x)
   if node is None:
-    info = _checks.leaf_info(x)
+    info = _options.leaf_info(x)
     return f"an array of shape {tuple(jnp.shape(x))} and dtype {info[1] if info else '?'}"
   kind, kids = node
   if isinstance(x, dict):
@@ -119,7 +119,7 @@ def _compare_array(got: Any, want: Any, path: tuple) -> None:
   if _node(got) is not None:
     hint = RESTORE_HINT if _restored(got) else _OPTIONS_HINT
     raise Mismatch(path, f"is {_describe(got)} where {expected} is expected", hint)
-  info = _checks.leaf_info(got)
+  info = _options.leaf_info(got)
   if info is None:
     hint = _ABSTRACT_HINT if isinstance(got, jax.ShapeDtypeStruct) else _OPTIONS_HINT
     raise Mismatch(path, f"is {got!r} ({type(got).__name__}) where {expected} is expected", hint)
@@ -130,7 +130,7 @@ def _compare_array(got: Any, want: Any, path: tuple) -> None:
       f"has shape {shape} where init(params) gives shape {tuple(want.shape)} for these params",
       _OTHER_PARAMS_HINT,
     )
-  if not _checks.same_kind(dtype, want.dtype):
+  if not _options.same_kind(dtype, want.dtype):
     counter = jnp.issubdtype(want.dtype, jnp.integer)
     raise Mismatch(
       path,

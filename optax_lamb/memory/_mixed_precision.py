@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _check_args, _checks, _nnx
+from optax_lamb import _nnx
+from optax_lamb.faults import _check_args, _checks
 
 
 class MasterWeightsState(NamedTuple):

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _leaf
-from optax_lamb._adam import adam_stage
-from optax_lamb._clipping import clip_stage
-from optax_lamb._decay import add_decayed_weights
-from optax_lamb._options import LambConfig
-from optax_lamb._plan import decay_coefficient
-from optax_lamb._trust_ratio import trust_ratio_stage
+from optax_lamb.core import _leaf
+from optax_lamb.core._options import LambConfig
+from optax_lamb.stages._adam import adam_stage
+from optax_lamb.stages._clipping import clip_stage
+from optax_lamb.stages._decay import add_decayed_weights
+from optax_lamb.stages._trust_ratio import trust_ratio_stage
+from optax_lamb.step._plan import decay_coefficient
 
 
 def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:

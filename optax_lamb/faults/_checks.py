@@ -10,7 +10,6 @@ path here; the descriptions of what does not fit are `_explain`'s.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -18,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lamb import _explain, _ratios
-from optax_lamb._options import is_axis_name
-from optax_lamb._quantize import QuantizedMoment
+from optax_lamb.core import _options
+from optax_lamb.core._options import is_axis_name
+from optax_lamb.core._quantize import QuantizedMoment
+from optax_lamb.faults import _check_args, _explain
 
 _BOOLS = (bool, np.bool_)
 
@@ -111,30 +111,11 @@ def check_update_args(updates: Any, params: Any, who: str) -> None:
 # ------------------------------------------------------------------------- the state
 
 
-def same_kind(got: np.dtype, want: Any) -> bool:
-  if jnp.issubdtype(want, jnp.integer):  # step counts: any integer width (a restore may widen)
-    return jnp.issubdtype(got, jnp.integer)
-  return got == np.dtype(want)
-
-
-def leaf_info(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
-  """(shape, dtype) of an array-like leaf; None for anything else (a string, an object).
-
-  A ``jax.ShapeDtypeStruct`` (what ``jax.eval_shape(init, params)`` gives) has no
-  values: inside ``jit``/``eval_shape`` the state's leaves are tracers instead.
-  """
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return None
-  try:
-    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else jnp.asarray(x).dtype  # a str: TypeError
-    return tuple(jnp.shape(x)), dtype
-  except TypeError:
-    return None
-
-
 def _fits(got: Any, want: Any) -> bool:
-  info = leaf_info(got)
-  return info is not None and info[0] == tuple(want.shape) and same_kind(info[1], want.dtype)
+  info = _options.leaf_info(got)
+  return (
+    info is not None and info[0] == tuple(want.shape) and _options.same_kind(info[1], want.dtype)
+  )
 
 
 def check_state(state: Any, expected: Any, who: str) -> None:
@@ -157,28 +138,6 @@ def check_state(state: Any, expected: Any, who: str) -> None:
 
 # ---------------------------------------------------------------- per-leaf options
 
-_KINDS = {"bool": "True or False", "int": "an int >= 0"}
-
-
-def _leaf_error(kind: str, leaf: Any) -> type[Exception] | None:
-  """None for a valid value of a per-leaf option of `kind`, else the error to raise."""
-  if kind == "bool":
-    return None if isinstance(leaf, _BOOLS) else TypeError
-  if not isinstance(leaf, numbers.Integral) or isinstance(leaf, _BOOLS):
-    return TypeError
-  return None if int(leaf) >= 0 else ValueError
-
-
-def check_per_leaf_values(name: str, value: Any, kind: str) -> None:
-  """Every leaf of the pytree `value` is of `kind` ("bool" or "int"); None leaves are allowed."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-    error = _leaf_error(kind, leaf)
-    if error is not None:
-      raise error(
-        f"{name} must be None, {_KINDS[kind]}, a pytree of those (a prefix of the params) or a "
-        f"callable(params) returning one; got {name}{jax.tree_util.keystr(path)}={leaf!r}"
-      )
-
 
 def resolve_per_leaf(option: Any, params: Any, default: Any, name: str, kind: str) -> Any:
   """A per-leaf option given as a value, a pytree prefix of `params` or a callable(params).
@@ -191,7 +150,7 @@ def resolve_per_leaf(option: Any, params: Any, default: Any, name: str, kind: st
     return jax.tree.map(lambda _: default, params)
   if callable(option):
     option = option(params)
-    check_per_leaf_values(f"{name}(params)", option, kind)
+    _check_args.check_per_leaf_values(f"{name}(params)", option, kind)
   option_def: Any = jax.tree.structure(option, is_leaf=lambda x: x is None)
   try:
     subtrees = option_def.flatten_up_to(params)
@@ -289,4 +248,4 @@ def psum_over_names(bad: jax.Array, names: list) -> jax.Array:
   axes: set[str] = set()
   for name in names:
     axes.update((name,) if isinstance(name, str) else (name or ()))
-  return _ratios.psum_if(bad, tuple(sorted(axes)) or None)
+  return _options.psum_if(bad, tuple(sorted(axes)) or None)

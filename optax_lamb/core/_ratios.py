@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _leaf
-from optax_lamb._leaf import compute_dtype
-from optax_lamb._options import RatioLayout, StepScalars, replicated
+from optax_lamb.core import _leaf, _options
+from optax_lamb.core._leaf import compute_dtype
+from optax_lamb.core._options import RatioLayout, StepScalars, replicated
 
 # Below this a float32 sum of squares may have lost terms to underflow (2^-100: about 8e-31).
 SMALL_SQUARED_NORM = 2.0**-100
@@ -198,11 +198,6 @@ def needs_rescue(param_sq: jax.Array, update_sq: jax.Array, adapted: Sequence[bo
   return jnp.any(jnp.logical_and(flagged, np.asarray(adapted, bool)))
 
 
-def psum_if(x: jax.Array, axis_name: Any) -> jax.Array:
-  """Sum over the named mapped axes (shard_map/pmap) when `axis_name` is given."""
-  return x if axis_name is None else jax.lax.psum(x, axis_name)
-
-
 def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.Array]:
   """Each piece summed over its own axis names (None: not sharded): one psum per distinct name,
   over the pieces of that name concatenated (a replicated piece stays replicated)."""
@@ -225,7 +220,7 @@ def caution_fraction(u, g, stacked_axes: int = 0, axis_name: Any = None,
   keep = _leaf.agrees(u, g).astype(jnp.float32)
   # Kept and dropped counted in one reduction (a lone sum: an XLA:CPU library that reads u).
   sums = _reduced((keep, 1 - keep), stacked_axes, PARTIALS, False, joint)
-  kept, count = (psum_if(x, axis_name) for x in (sums[0], sums[0] + sums[1]))
+  kept, count = (_options.psum_if(x, axis_name) for x in (sums[0], sums[0] + sums[1]))
   return jnp.maximum(kept / count, _leaf.CAUTION_MIN_FRACTION)
 
 
@@ -292,3 +287,26 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax
   ratio = _leaf.trust_ratio(*norms, s)
   gate = True if s.adapt_gate is None else s.adapt_gate != 0  # apex, timm: wd 0, no ratio
   return jnp.where(jnp.logical_and(np.asarray(adapted, bool), gate), ratio, jnp.ones_like(ratio))
+
+
+def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
+  """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
+  every finite input: the plain sum, or where it overflowed (computed only then) the sum at
+  `DOWN`, finite for every float32 x (small leaves on one device: `small_sums`)."""
+  joint = [name is None and one_device() for name in names]
+
+  def total(scale: float) -> jax.Array:
+    by_name: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
+    for x, name, j in zip(leaves, names, joint, strict=True):
+      s: Any = scale
+      if scale != 1.0:  # in the conditional's branch, where x is already a buffer: free
+        # A scale of each leaf's own: XLA:CPU shares one broadcast of a constant among leaves of
+        # one shape and stores it, a leaf-sized temporary (benchmarks/NOTES.md, 2026-11-28).
+        s, x = jax.lax.optimization_barrier((jnp.asarray(scale, jnp.float32), x))
+      sq = sq_norm(x, joint=j, scale=s)
+      by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
+    return sum((_options.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
+
+  sq = total(1.0)
+  rescued = lambda: safe_sqrt(total(DOWN)) / DOWN
+  return jax.lax.cond(jnp.isinf(sq), rescued, lambda: safe_sqrt(sq))

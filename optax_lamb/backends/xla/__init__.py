@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _chunked_sums, _leaf, _moment_storage, _ratios
-from optax_lamb._options import RatioLayout
-from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan, StepResult
+from optax_lamb.backends.xla import _chunked_sums
+from optax_lamb.core import _leaf, _moment_storage, _ratios
+from optax_lamb.core._options import RatioLayout
+from optax_lamb.step._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ class XlaBackend:
     joint_small_sums: kept-u leaves' sums from zero-padded rows (a reduction per width),
       other small leaves' in one reduction each. None: `_ratios.one_device()`.
     chunked_sums: 8-bit leaves' norms by a loop over chunks of this many elements, or 0:
-      not (`optax_lamb._chunked_sums`). None: 2^16 on the CPU backend with joint sums.
+      not (`optax_lamb.backends.xla._chunked_sums`). None: 2^16 on the CPU backend with joint sums.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, optax_lamb
