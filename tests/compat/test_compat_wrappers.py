@@ -27,6 +27,7 @@ from compat_runs import (
   trajectory,
 )
 from helpers import fast_compile as _fast_compile
+from helpers.two_leaves import assert_close, run_steps
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_compat_libraries import TOLERANCE, _expected
@@ -231,6 +232,25 @@ def test_stacked_axes_equal_separate_layers(implementation):
   )
   np.testing.assert_allclose(stacked["w"][0], separate["a"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(stacked["w"][1], separate["b"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ctor", ["keras_lamb", "tfa_lamb"])
+def test_per_variable_clipnorm_clips_each_stacked_layer(ctor, device_count_seen):
+  """With stacked_axes, Keras' and TF Addons' per-variable clipnorm computes what a model with
+  one variable per layer computes: each stacked slice is clipped by its own norm."""
+  rng = np.random.default_rng(2)
+  layers = 3
+  stacked = {"w": jnp.asarray(rng.normal(size=(layers, 4, 3)), jnp.float32)}
+  grads = []
+  for _ in range(3):  # layers with gradient norms far apart, so a shared clip differs
+    g = rng.normal(size=(layers, 4, 3)) * np.array([0.01, 1.0, 30.0])[:, None, None]
+    grads.append({"w": jnp.asarray(g, jnp.float32)})
+  split = lambda tree: {f"w{i}": tree["w"][i] for i in range(layers)}
+  with_stacking = getattr(optax_lamb.compat, ctor)(clipnorm=0.1, stacked_axes={"w": 1})
+  per_layer = getattr(optax_lamb.compat, ctor)(clipnorm=0.1)
+  got = split(run_steps(with_stacking, stacked, grads))
+  want = run_steps(per_layer, split(stacked), [split(g) for g in grads])
+  assert_close(got, want)
 
 
 # --- checkpoints ------------------------------------------------------------------------------

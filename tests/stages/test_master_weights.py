@@ -196,7 +196,8 @@ def test_mixed_dtype_tree_with_master_weights(rng):
 
 
 def test_float16_leaf_with_norm_above_65504_has_a_finite_ratio():
-  # ||p|| = 1000 * sqrt(10000) = 1e5 > float16 max: optax.lamb gives inf here (jax issue 39899).
+  # ||p|| = 1000 * sqrt(10000) = 1e5 > float16 max: optax.lamb gives inf here (its norm
+  # in float16 overflows).
   params = {"w": jnp.full((100, 100), 1000.0, jnp.float16)}
   grads = {"w": jnp.ones((100, 100), jnp.float16)}
   tx = optax_lamb.lamb(1e-3, nu_dtype=jnp.float32)

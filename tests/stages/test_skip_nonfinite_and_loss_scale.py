@@ -382,7 +382,7 @@ OVERFLOW_CASES = {  # (nu dtype, max_grad_norm, |g|, skipped): the threshold is 
 @pytest.mark.parametrize("case", list(OVERFLOW_CASES))
 def test_lamb_skips_a_gradient_that_would_overflow_the_second_moment(case, implementation, rng):
   """lamb(skip_nonfinite=True) skips, by default, a finite step whose gradient squared would
-  overflow the second moment in its dtype (before issue 31 nu became inf for good); a gradient
+  overflow the second moment in its dtype (taken, it would leave nu inf for good); a gradient
   below the threshold, or brought under it by clipping, is taken and leaves nu finite."""
   nu_dtype, max_grad_norm, magnitude, skipped = OVERFLOW_CASES[case]
   params = make_params(rng)
