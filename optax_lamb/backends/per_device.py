@@ -175,8 +175,9 @@ def _local_plan(plan: StepPlan, specs: list[P], mesh_shape) -> tuple[StepPlan, l
   return local, stacked_axes
 
 
-def _per_device(local_step: LocalStep, plan: StepPlan, scalar_layout: ScalarLayout, specs,
-                mesh_shape, apply: bool) -> Callable[..., StepResult]:  # fmt: skip
+def _per_device(
+  local_step: LocalStep, plan: StepPlan, scalar_layout: ScalarLayout, specs, mesh_shape, apply: bool
+) -> Callable[..., StepResult]:
   """The function of one device's shards: the local step, then the whole replicated ratio vector."""
   local, stacked_axes = _local_plan(plan, specs, mesh_shape)
 
@@ -199,8 +200,9 @@ def _result_specs(specs: list[P]) -> StepResult:
 # ----------------------------------------------------------------------------- Auto mesh
 
 
-def _auto(local_step: LocalStep, plan: StepPlan, scalar_layout: ScalarLayout, scalars: int,
-          apply: bool) -> Callable[..., StepResult]:  # fmt: skip
+def _auto(
+  local_step: LocalStep, plan: StepPlan, scalar_layout: ScalarLayout, scalars: int, apply: bool
+) -> Callable[..., StepResult]:
   """The step as a custom_partitioning op: its partitioner builds the per-device step."""
   stateless = plan._replace(scalars=StepScalars(), count=None, parts=None)
 

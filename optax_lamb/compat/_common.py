@@ -151,8 +151,13 @@ def build_args(
 # lamb's keyword-only arguments that every constructor takes too, with lamb's defaults (named
 # in the signatures, so that optax.inject_hyperparams' static_args can name them).
 LAMB_OPTIONS = (
-  "stacked_axes", "axis_name", "implementation", "skip_nonfinite", "grad_scale", "master_weights"
-)  # fmt: skip
+  "stacked_axes",
+  "axis_name",
+  "implementation",
+  "skip_nonfinite",
+  "grad_scale",
+  "master_weights",
+)
 
 
 # The docstrings' shared parts, written once: a constructor's docstring holds a marker line that

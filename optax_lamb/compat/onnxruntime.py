@@ -232,8 +232,9 @@ def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
   """`tx` whose update takes ORT's ``do_update`` input: where it is false, zero updates and the
   state as it was (selected where each buffer is written, as a skipped step keeps it)."""
 
-  def update_fn(updates: Any, state: Any, params: Any = None, *, do_update: Any = None,
-                **extra_args: Any) -> tuple[Any, Any]:  # fmt: skip
+  def update_fn(
+    updates: Any, state: Any, params: Any = None, *, do_update: Any = None, **extra_args: Any
+  ) -> tuple[Any, Any]:
     if do_update is None or (isinstance(do_update, (bool, np.bool_)) and do_update):
       return tx.update(updates, state, params, **extra_args)
     if isinstance(do_update, (bool, np.bool_)):  # False: nothing runs

@@ -157,8 +157,9 @@ def cautious(u, g, fraction) -> jax.Array:
   return u * (agrees(u, g) / broadcast_ratio(fraction, u).astype(u.dtype))
 
 
-def direction(m, v, p, o: LambOptions, s: StepScalars, *, decay: bool, dtype=None, g=None,
-              kept=None) -> jax.Array:  # fmt: skip
+def direction(
+  m, v, p, o: LambOptions, s: StepScalars, *, decay: bool, dtype=None, g=None, kept=None
+) -> jax.Array:
   """The Adam direction (in `dtype`, default the moments'), plus wd p where the leaf decays in it.
 
   With ``o.caution`` it is first masked by `cautious`, which needs the moments'

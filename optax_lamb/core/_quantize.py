@@ -254,8 +254,9 @@ def _check(shape: tuple[int, ...], block_size: int) -> None:
     raise ValueError(f"{block_size=} must be a positive int")
 
 
-def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE,
-             one_reduction: bool = True) -> QuantizedMoment:  # fmt: skip
+def quantize(
+  x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE, one_reduction: bool = True
+) -> QuantizedMoment:
   """Block-wise quantizes a float leaf (ndim >= 1, any float dtype, computed in float32): codes of
   its shape (int8 with the ``signed`` map, the first moment; uint8 unsigned, the second) and float32
   scales per ``block_size`` elements of the last axis (their reduction: `_block_scales`;
@@ -263,8 +264,13 @@ def quantize(x: jax.Array, signed: bool, *, block_size: int = BLOCK_SIZE,
   return quantize_all([x], [signed], block_size=block_size, one_reduction=one_reduction)[0]
 
 
-def quantize_all(xs: list[jax.Array], signed: list[bool], *, block_size: int = BLOCK_SIZE,
-                 one_reduction: bool = True) -> list[QuantizedMoment]:  # fmt: skip
+def quantize_all(
+  xs: list[jax.Array],
+  signed: list[bool],
+  *,
+  block_size: int = BLOCK_SIZE,
+  one_reduction: bool = True,
+) -> list[QuantizedMoment]:
   """`quantize` of each of ``xs`` (one shape), their scales from one reduction: a leaf's two
   moments in one pass over memory and no per-block flags (the XLA step's store)."""
   _check(xs[0].shape, block_size)

@@ -43,8 +43,9 @@ def squares(x: jax.Array, scale: Any = 1.0) -> jax.Array:
   return jnp.square(x * _leaf.broadcast_ratio(jnp.asarray(scale, x.dtype), x))
 
 
-def sq_norm(x: jax.Array, stacked_axes: int = 0, joint: bool = False,
-            scale: Any = 1.0) -> jax.Array:  # fmt: skip
+def sq_norm(
+  x: jax.Array, stacked_axes: int = 0, joint: bool = False, scale: Any = 1.0
+) -> jax.Array:
   """Sum of (x s)^2 over all but the first `stacked_axes` axes, in one plain reduction (a small
   slice with `joint`: `small_sums`)."""
   return _reduced((squares(x, scale),), stacked_axes, 1, False, joint)[0]
@@ -90,8 +91,13 @@ def _add(a: tuple, b: tuple) -> tuple:
   return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
-def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
-                 partial_count: int = PARTIALS, joint: bool = False) -> tuple[jax.Array, ...]:  # fmt: skip
+def leaf_sq_sums(
+  *xs: jax.Array,
+  stacked_axes: int = 0,
+  scales=(1.0,),
+  partial_count: int = PARTIALS,
+  joint: bool = False,
+) -> tuple[jax.Array, ...]:
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
   Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count` blocks
@@ -128,8 +134,9 @@ def _small_sums(terms: tuple, stacked_axes: int, joint: bool) -> tuple:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool,
-             joint: bool) -> tuple:  # fmt: skip
+def _reduced(
+  terms: tuple, stacked_axes: int, partial_count: int, columns: bool, joint: bool
+) -> tuple:
   """The terms' sums in one reduction, in blocks where they fit (a lone sum's input XLA:CPU would
   store, see `small_sums`); `partial_count` 1 or a leaf under BLOCKED_FROM elements: `small_sums`.
   A large leaf sharded over a reduced axis gathers its blocks (docs/memory.md)."""
@@ -149,8 +156,9 @@ def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool,
 
 
 @_reduced.defjvp
-def _reduced_jvp(stacked_axes: int, partial_count: int, columns: bool, joint: bool,
-                 primals: tuple, tangents: tuple) -> tuple:  # fmt: skip
+def _reduced_jvp(
+  stacked_axes: int, partial_count: int, columns: bool, joint: bool, primals: tuple, tangents: tuple
+) -> tuple:
   """Linear: the tangents' plain sums (transposable, unlike the blocked reduction)."""
   (terms,), (dterms,) = primals, tangents
   axes = tuple(range(stacked_axes, jnp.ndim(terms[0])))
@@ -163,8 +171,14 @@ def rescue_scale(plain: jax.Array) -> jax.Array:
   return jnp.where(jnp.isinf(plain), DOWN, UP).astype(plain.dtype)
 
 
-def scaled_sq_sums(p: jax.Array, u: jax.Array, p_scale: jax.Array, u_scale: jax.Array,
-                   stacked_axes: int = 0, joint: bool = False) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def scaled_sq_sums(
+  p: jax.Array,
+  u: jax.Array,
+  p_scale: jax.Array,
+  u_scale: jax.Array,
+  stacked_axes: int = 0,
+  joint: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """The rare path's sums of (p s_p)^2 and (u s_u)^2 (s: `rescue_scale`, per slice), in one
   reduction, in rows (it almost never runs: no accumulators reserved beside the main ones)."""
   terms = [squares(p, p_scale), squares(u, u_scale)]
@@ -213,8 +227,9 @@ def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.
   return out
 
 
-def caution_fraction(u, g, stacked_axes: int = 0, axis_name: Any = None,
-                     joint: bool = False) -> jax.Array:  # fmt: skip
+def caution_fraction(
+  u, g, stacked_axes: int = 0, axis_name: Any = None, joint: bool = False
+) -> jax.Array:
   """max(mean([u g > 0]), 1e-3) per leaf (or stacked slice), float32: caution's rescaling, `u`
   the Adam direction, `g` the moments' gradient, counted on every shard of `axis_name`."""
   keep = _leaf.agrees(u, g).astype(jnp.float32)
@@ -232,8 +247,13 @@ class SlotSums(NamedTuple):
   scaled: tuple[jax.Array, ...] | None = None
 
 
-def _joined(layout: RatioLayout, names: Sequence[Any], lists: Sequence[Sequence[Any]],
-            rows: Sequence, row_sums: Sequence[Sequence[jax.Array]]) -> list[Any]:  # fmt: skip
+def _joined(
+  layout: RatioLayout,
+  names: Sequence[Any],
+  lists: Sequence[Sequence[Any]],
+  rows: Sequence,
+  row_sums: Sequence[Sequence[jax.Array]],
+) -> list[Any]:
   """Each list of per-leaf sums (stacked shapes) as a slot vector, each piece psum'd over its
   leaf's `names` (one psum per name: replicated leaves stay so). Without names, `rows` (per group,
   its leaves' (index, stacked shape)) and their `row_sums` (per group, per list) stand for those
@@ -255,17 +275,28 @@ def _joined(layout: RatioLayout, names: Sequence[Any], lists: Sequence[Sequence[
   return out
 
 
-def slot_sums(layout: RatioLayout, names: Sequence[Any], param_sq: Sequence[jax.Array | None],
-              update_sq: Sequence[jax.Array | None], rows: Sequence = (),
-              row_sums: Sequence = ()) -> SlotSums:  # fmt: skip
+def slot_sums(
+  layout: RatioLayout,
+  names: Sequence[Any],
+  param_sq: Sequence[jax.Array | None],
+  update_sq: Sequence[jax.Array | None],
+  rows: Sequence = (),
+  row_sums: Sequence = (),
+) -> SlotSums:
   """The slot vectors from per-leaf plain sums (`rows`, `row_sums`: `_joined`)."""
   param, update = _joined(layout, names, [param_sq, update_sq], rows, row_sums)
   return SlotSums(param, update)
 
 
-def with_scaled_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[Any],
-                     p_scaled: Sequence[jax.Array | None], u_scaled: Sequence[jax.Array | None],
-                     rows: Sequence = (), row_sums: Sequence = ()) -> SlotSums:  # fmt: skip
+def with_scaled_sums(
+  sums: SlotSums,
+  layout: RatioLayout,
+  names: Sequence[Any],
+  p_scaled: Sequence[jax.Array | None],
+  u_scaled: Sequence[jax.Array | None],
+  rows: Sequence = (),
+  row_sums: Sequence = (),
+) -> SlotSums:
   """`sums` with the per-leaf sums at `rescue_scale` (stacked shapes), summed alike."""
   joined = _joined(layout, names, [p_scaled, u_scaled], rows, row_sums)
   return sums._replace(scaled=tuple(joined))

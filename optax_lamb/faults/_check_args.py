@@ -121,8 +121,10 @@ def check_float_dtype(name: str, value: Any, *, optional: bool = True) -> np.dty
   return dtype
 
 
-_QUANTIZED = {"mu_dtype": ("int8", "the first moment, signed"),
-              "nu_dtype": ("uint8", "the second moment, unsigned")}  # fmt: skip
+_QUANTIZED = {
+  "mu_dtype": ("int8", "the first moment, signed"),
+  "nu_dtype": ("uint8", "the second moment, unsigned"),
+}
 
 
 def check_moment_dtype(name: str, value: Any) -> np.dtype | None:

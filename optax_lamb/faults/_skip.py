@@ -154,9 +154,14 @@ def skip_nonfinite(
 GradsOk = Callable[[Any, Any], jax.Array]  # (grads, params) -> whether the step may be taken
 
 
-def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: int | None,
-             check_results: bool, grads_ok: GradsOk | None = None, spikes: SpikeRule | None = None,
-             ) -> optax.GradientTransformationExtraArgs:  # fmt: skip
+def skipping(
+  inner: optax.GradientTransformation,
+  axis_name: Any,
+  max_errors: int | None,
+  check_results: bool,
+  grads_ok: GradsOk | None = None,
+  spikes: SpikeRule | None = None,
+) -> optax.GradientTransformationExtraArgs:
   """`skip_nonfinite` with checked arguments; `grads_ok` decides from the gradients in place of
   their finiteness (lamb's own skip: `gradients_ok`)."""
   inner = optax.with_extra_args_support(inner)
@@ -179,8 +184,9 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
       scale = None if scale is None else _loss_scale.given_scale(scale)
       verdict = _spikes.judge(spikes, state, updates, extra_args.get("value"), axis_name, scale)
     if check_results:
-      return _checking_results(inner, updates, state, params, extra_args, axis_name, max_errors,
-                               (spikes, verdict))  # fmt: skip
+      return _checking_results(
+        inner, updates, state, params, extra_args, axis_name, max_errors, (spikes, verdict)
+      )
     ok = all_finite(updates, axis_name) if grads_ok is None else grads_ok(updates, params)
     consecutive, take = decide(passes(ok, verdict), state.consecutive, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
@@ -201,9 +207,16 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _checking_results(inner: Any, updates: Any, state: Any, params: Any,
-                      extra_args: dict, axis_name: Any, max_errors: int | None,
-                      judged: tuple) -> tuple:  # fmt: skip
+def _checking_results(
+  inner: Any,
+  updates: Any,
+  state: Any,
+  params: Any,
+  extra_args: dict,
+  axis_name: Any,
+  max_errors: int | None,
+  judged: tuple,
+) -> tuple:
   """`check_results`: the step computed first, then kept only where all of it is finite."""
   new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
   # A per-leaf axis_name is the gradients' tree: the results are agreed over its axes.
@@ -219,8 +232,14 @@ def _checking_results(inner: Any, updates: Any, state: Any, params: Any,
   return new_updates, _counted(state, finite, consecutive, new_inner, judged, take)
 
 
-def _counted(state: Any, finite: jax.Array, consecutive: jax.Array, new_inner: Any,
-             judged: tuple, take: jax.Array) -> Any:  # fmt: skip
+def _counted(
+  state: Any,
+  finite: jax.Array,
+  consecutive: jax.Array,
+  new_inner: Any,
+  judged: tuple,
+  take: jax.Array,
+) -> Any:
   """The wrapper's state after a step; `judged`: (the spike rule, its verdict) or (None, None)."""
   rule, verdict = judged
   if verdict is None:

@@ -79,8 +79,9 @@ class SpikeRule:
       )
     _real("decay", self.decay, lambda x: 0.0 <= x < 1.0, "a number in [0, 1)")
     if self.loss_factor is not None:
-      _real("loss_factor", self.loss_factor, lambda x: 1.0 < x < math.inf,
-            "None or a finite number > 1")  # fmt: skip
+      _real(
+        "loss_factor", self.loss_factor, lambda x: 1.0 < x < math.inf, "None or a finite number > 1"
+      )
 
 
 def check_rule(name: str, value: Any) -> None:
@@ -146,8 +147,9 @@ def _axes(axis_name: Any, grads: Any) -> tuple[list, tuple[str, ...] | None]:
   return names, tuple(sorted(axes)) or None
 
 
-def _above(x: jax.Array, average: jax.Array, steps: jax.Array, rule: SpikeRule,
-           factor: float) -> jax.Array:  # fmt: skip
+def _above(
+  x: jax.Array, average: jax.Array, steps: jax.Array, rule: SpikeRule, factor: float
+) -> jax.Array:
   return jnp.logical_and(steps >= rule.warmup_steps, x > factor * average)
 
 
@@ -169,8 +171,15 @@ def _global_norm(leaves: list, names: list) -> jax.Array:
   return jnp.where(_ratios.suspect(plain), rescued, _ratios.safe_sqrt(plain))
 
 
-def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
-          grad_scale: Any = None, clip_norm: bool = False) -> Verdict:  # fmt: skip
+def judge(
+  rule: SpikeRule,
+  state: Any,
+  grads: Any,
+  loss: Any,
+  axis_name: Any,
+  grad_scale: Any = None,
+  clip_norm: bool = False,
+) -> Verdict:
   """Whether this step is a spike, for a `SkipSpikesState`: from the global norm of the
   gradients divided by `grad_scale` (agreed over the mapped axes of `axis_name`) and the
   loss (None: not passed; averaged over those axes). `clip_norm`: the norm as lamb's global
@@ -189,8 +198,9 @@ def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
     return Verdict(spike, norm, None)
   loss = jnp.asarray(loss, jnp.float32)
   if jnp.ndim(loss) != 0:
-    raise ValueError(f"skip_nonfinite(spikes=...): value must be a scalar loss, got shape "
-                     f"{jnp.shape(loss)}")  # fmt: skip
+    raise ValueError(
+      f"skip_nonfinite(spikes=...): value must be a scalar loss, got shape {jnp.shape(loss)}"
+    )
   if axes is not None:  # every device judges the same loss
     loss = jax.lax.pmean(loss, axes)
   loss_factor = rule.factor if rule.loss_factor is None else rule.loss_factor
@@ -198,8 +208,9 @@ def judge(rule: SpikeRule, state: Any, grads: Any, loss: Any, axis_name: Any,
   return Verdict(jnp.logical_or(spike, loss_spike), norm, loss)
 
 
-def _averaged(average: jax.Array, steps: jax.Array, x: jax.Array, use: jax.Array,
-              decay: float) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def _averaged(
+  average: jax.Array, steps: jax.Array, x: jax.Array, use: jax.Array, decay: float
+) -> tuple[jax.Array, jax.Array]:
   """(average, steps) with `x` taken in where `use`: the bias-corrected EMA,
   a_n = a_{n-1} + (x - a_{n-1}) (1 - d) / (1 - d^n), so a_1 = x."""
   n = optax.safe_increment(steps)
@@ -209,8 +220,15 @@ def _averaged(average: jax.Array, steps: jax.Array, x: jax.Array, use: jax.Array
   return jnp.where(use, new, average), jnp.where(use, n, steps)
 
 
-def counted(rule: SpikeRule, state: SkipSpikesState, finite: jax.Array, verdict: Verdict,
-            take: jax.Array, consecutive: jax.Array, new_inner: Any) -> SkipSpikesState:  # fmt: skip
+def counted(
+  rule: SpikeRule,
+  state: SkipSpikesState,
+  finite: jax.Array,
+  verdict: Verdict,
+  take: jax.Array,
+  consecutive: jax.Array,
+  new_inner: Any,
+) -> SkipSpikesState:
   """The state after a step: `finite` (the gradients were), `verdict`, `take` (the step was
   applied); the averages take in the values of an applied step with finite gradients."""
   clean = finite if verdict.loss is None else jnp.logical_and(finite, jnp.isfinite(verdict.loss))

@@ -41,8 +41,9 @@ def _beside(state: Any, params: Any) -> Any:
       return x
     if isinstance(x, QuantizedMoment):  # the codes like the param, the scales split alike
       scales = _moment_storage.scales_sharding(p, x.scales.shape)
-      return QuantizedMoment(jax.device_put(x.codes, s),
-                             x.scales if scales is None else jax.device_put(x.scales, scales))  # fmt: skip
+      return QuantizedMoment(
+        jax.device_put(x.codes, s), x.scales if scales is None else jax.device_put(x.scales, scales)
+      )
     return jax.device_put(x, s) if x.shape == p.shape else x
 
   def place(subtree: Any) -> Any:

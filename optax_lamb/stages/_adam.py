@@ -71,9 +71,15 @@ def scale_by_adam(
   mu_dtype = _check_args.check_moment_dtype("mu_dtype", mu_dtype)
   nu_dtype = _check_args.check_moment_dtype("nu_dtype", nu_dtype)
   return adam_stage(
-    b1, b2, eps, eps_root, bias_correction=bias_correction, grad_averaging=grad_averaging,
-    mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-  )  # fmt: skip
+    b1,
+    b2,
+    eps,
+    eps_root,
+    bias_correction=bias_correction,
+    grad_averaging=grad_averaging,
+    mu_dtype=mu_dtype,
+    nu_dtype=nu_dtype,
+  )
 
 
 def adam_stage(

@@ -74,9 +74,15 @@ def scale_by_trust_ratio(
   _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
   _check_args.check_axis_name("axis_name", axis_name)
   return trust_ratio_stage(
-    min_norm=min_norm, trust_coefficient=trust_coefficient, eps=eps, mask=mask,
-    min_ratio=min_ratio, max_ratio=max_ratio, stacked_axes=stacked_axes, axis_name=axis_name,
-  )  # fmt: skip
+    min_norm=min_norm,
+    trust_coefficient=trust_coefficient,
+    eps=eps,
+    mask=mask,
+    min_ratio=min_ratio,
+    max_ratio=max_ratio,
+    stacked_axes=stacked_axes,
+    axis_name=axis_name,
+  )
 
 
 def trust_ratio_stage(
@@ -99,10 +105,14 @@ def trust_ratio_stage(
   `adapt_gate` is 0 no leaf adapts (apex, timm: the weight decay, a number or an array).
   """
   s = StepScalars(
-    min_ratio=min_ratio, max_ratio=max_ratio, min_norm=min_norm,
-    trust_coefficient=trust_coefficient, ratio_eps=eps, max_param_norm=max_param_norm,
+    min_ratio=min_ratio,
+    max_ratio=max_ratio,
+    min_norm=min_norm,
+    trust_coefficient=trust_coefficient,
+    ratio_eps=eps,
+    max_param_norm=max_param_norm,
     adapt_gate=adapt_gate,
-  )  # fmt: skip
+  )
 
   last_layout: list[RatioLayout] = []  # of the params init last saw
 
@@ -142,8 +152,15 @@ def trust_ratio_stage(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _ratio_vector(us: list, ps: list, s: StepScalars, layout: RatioLayout, adapts: list[bool],
-                  axes: list[int], names: list) -> jax.Array:  # fmt: skip
+def _ratio_vector(
+  us: list,
+  ps: list,
+  s: StepScalars,
+  layout: RatioLayout,
+  adapts: list[bool],
+  axes: list[int],
+  names: list,
+) -> jax.Array:
   """The ratios of the leaves `us` at params `ps`, from plain sums of squares, or from the scaled
   ones (under ``lax.cond``, computed only then) where a plain sum over- or underflowed."""
   adapted = layout.per_slot(adapts)
@@ -159,10 +176,11 @@ def _ratio_vector(us: list, ps: list, s: StepScalars, layout: RatioLayout, adapt
   def rescued() -> jax.Array:
     p_scales, u_scales = (layout.pieces(_ratios.rescue_scale(x)) for x in sums[:2])
     scaled = [
-      _ratios.scaled_sq_sums(p, u, ps_, us_, stacked_axes=k) if a
+      _ratios.scaled_sq_sums(p, u, ps_, us_, stacked_axes=k)
+      if a
       else (jnp.zeros(jnp.shape(p)[:k], jnp.float32),) * 2
       for p, u, ps_, us_, k, a in zip(ps, us, p_scales, u_scales, axes, adapts, strict=True)
-    ]  # fmt: skip
+    ]
     p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
     exact = _ratios.with_scaled_sums(sums, layout, names, p_scaled, u_scaled)
     return _ratios.ratio_vector(exact, s, adapted)

@@ -174,16 +174,26 @@ def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: l
     norm = _ratios.global_norm(jax.tree.leaves(grads), names)
     clip_factor = _leaf.clip_factor(norm, h.max_grad_norm, h.clip_norm_eps)
   scalars = StepScalars(
-    b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root, bc1=bc1, bc2=bc2, weight_decay=wd,
-    step_size=step_size, clip_factor=clip_factor, min_ratio=h.min_trust_ratio,
-    max_ratio=h.max_trust_ratio, max_param_norm=h.max_param_norm,
+    b1=h.b1,
+    b2=h.b2,
+    eps=h.eps,
+    eps_root=h.eps_root,
+    bc1=bc1,
+    bc2=bc2,
+    weight_decay=wd,
+    step_size=step_size,
+    clip_factor=clip_factor,
+    min_ratio=h.min_trust_ratio,
+    max_ratio=h.max_trust_ratio,
+    max_param_norm=h.max_param_norm,
     adapt_gate=h.weight_decay if o.adapt_if_decaying else None,  # a number or an array
-  )  # fmt: skip
+  )
   return scalars, count, decay_state, lr_state
 
 
-def plan_step(config: LambConfig, grads: Any, state: tuple, params: Any,
-              rule: SkipRule | None = None) -> StepPlan:  # fmt: skip
+def plan_step(
+  config: LambConfig, grads: Any, state: tuple, params: Any, rule: SkipRule | None = None
+) -> StepPlan:
   """The plan of one update of `state` by `grads` (in the compute dtype) at `params`.
 
   The caller has checked the state against ``init(params)`` (structure, shapes, layout).

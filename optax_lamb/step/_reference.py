@@ -40,18 +40,29 @@ def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:
     else optax.identity()
   )
   adam = adam_stage(
-    h.b1, h.b2, h.eps, h.eps_root,
-    bias_correction=o.bias_correction_in_direction, grad_averaging=o.grad_averaging,
-    caution=o.caution, stacked_axes=per_leaf.stacked_axes, axis_name=per_leaf.axis_name,
-    mu_dtype=o.mu_dtype, nu_dtype=o.nu_dtype,
-  )  # fmt: skip
+    h.b1,
+    h.b2,
+    h.eps,
+    h.eps_root,
+    bias_correction=o.bias_correction_in_direction,
+    grad_averaging=o.grad_averaging,
+    caution=o.caution,
+    stacked_axes=per_leaf.stacked_axes,
+    axis_name=per_leaf.axis_name,
+    mu_dtype=o.mu_dtype,
+    nu_dtype=o.nu_dtype,
+  )
   decay = add_decayed_weights(decay_coefficient(config), per_leaf.mask)
   trust = trust_ratio_stage(
-    min_ratio=h.min_trust_ratio, max_ratio=h.max_trust_ratio, mask=per_leaf.trust_ratio_mask,
-    stacked_axes=per_leaf.stacked_axes, axis_name=per_leaf.axis_name,
-    mask_name="trust_ratio_mask", max_param_norm=h.max_param_norm,
+    min_ratio=h.min_trust_ratio,
+    max_ratio=h.max_trust_ratio,
+    mask=per_leaf.trust_ratio_mask,
+    stacked_axes=per_leaf.stacked_axes,
+    axis_name=per_leaf.axis_name,
+    mask_name="trust_ratio_mask",
+    max_param_norm=h.max_param_norm,
     adapt_gate=h.weight_decay if o.adapt_if_decaying else None,
-  )  # fmt: skip
+  )
   return clip, adam, decay, trust, optax.scale_by_learning_rate(h.learning_rate)
 
 
@@ -104,9 +115,10 @@ def _finite_direction(u: Any, params: Any, new: Any, old: Any) -> tuple[Any, Any
   keep = lambda f, n, o: jnp.where(f, n, o)
   return (
     jax.tree.map(lambda f, x: jnp.where(f, x, jnp.zeros_like(x)), finite, u),
-    new._replace(mu=jax.tree.map(keep, finite, new.mu, old.mu),
-                 nu=jax.tree.map(keep, finite, new.nu, old.nu)),
-  )  # fmt: skip
+    new._replace(
+      mu=jax.tree.map(keep, finite, new.mu, old.mu), nu=jax.tree.map(keep, finite, new.nu, old.nu)
+    ),
+  )
 
 
 def _finite_update(u: Any, p: Any) -> Any:
@@ -115,8 +127,9 @@ def _finite_update(u: Any, p: Any) -> Any:
   return jnp.where(jnp.isfinite(new), u, jnp.zeros_like(u))
 
 
-def step(tx: optax.GradientTransformation, grads: Any, state: Any, params: Any, *,
-         apply: bool) -> tuple[Any, Any]:  # fmt: skip
+def step(
+  tx: optax.GradientTransformation, grads: Any, state: Any, params: Any, *, apply: bool
+) -> tuple[Any, Any]:
   """The chain's updates in the params' dtypes, or the new params with `apply`."""
   updates, state = tx.update(grads, state, params)
   updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)

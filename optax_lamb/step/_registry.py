@@ -179,8 +179,9 @@ def choose(implementation: Implementation, plan: StepPlan, leaves: list[LeafArra
   return chosen
 
 
-def step(implementation: Implementation, plan: StepPlan, leaves: list[LeafArrays], *,
-         apply: bool) -> StepResult:  # fmt: skip
+def step(
+  implementation: Implementation, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool
+) -> StepResult:
   """The step on the backend `choose` picks; a backend jax cannot differentiate takes the XLA
   step's derivatives."""
   chosen = choose(implementation, plan, leaves)

@@ -40,8 +40,13 @@ from optax_lamb.step import _plan, _reference, _registry
 Step = Callable[..., tuple[Any, Any]]  # (grads, state, params, *, apply) -> (out, state)
 
 
-def _fused_step(config: LambConfig, implementation: _registry.Implementation, skipping: bool,
-                master: bool, spikes: _spikes.SpikeRule | None = None) -> Step:  # fmt: skip
+def _fused_step(
+  config: LambConfig,
+  implementation: _registry.Implementation,
+  skipping: bool,
+  master: bool,
+  spikes: _spikes.SpikeRule | None = None,
+) -> Step:
   """A planned step on the registry's backend, and lamb's own wrappers around it in the state
   they give (`SkipNonFiniteState` outside `MasterWeightsState`): the skip decided before the
   step, which then keeps every buffer where it is skipped; the step run on the master weights,
@@ -133,8 +138,9 @@ def build(
     return step(updates, state, params, apply=False, value=extra_args.get("value"))
 
   skipping = (fused and skip_nonfinite, skip_spikes)
-  tx = optax.GradientTransformationExtraArgs(_init(chain, fused and master_weights, skipping),
-                                             update_fn)  # fmt: skip
+  tx = optax.GradientTransformationExtraArgs(
+    _init(chain, fused and master_weights, skipping), update_fn
+  )
   if master_weights and not fused:
     tx = with_master_weights(tx)
   if skip_nonfinite and not fused:
@@ -249,7 +255,7 @@ def _next_state(plan: _plan.StepPlan, result: _plan.StepResult, state: tuple) ->
       **{
         part: jax.tree.map(
           lambda n, o: _leaf.kept(n, o, plan.scalars), getattr(new, part), getattr(old, part)
-        )  # fmt: skip
+        )
         for part in ("decay", "trust_ratio", "learning_rate")
       },
     )

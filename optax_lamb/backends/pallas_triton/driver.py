@@ -160,8 +160,18 @@ class PallasTritonBackend:
     out = self._pass2(plan, leaves, mu, nu, scalars, ratios, static, apply=apply)
     return StepResult(out, mu, nu, ratios)
 
-  def _pass2(self, plan: StepPlan, leaves: list[LeafArrays], mu: list, nu: list, scalars,
-             ratios, static: dict, *, apply: bool) -> list:  # fmt: skip
+  def _pass2(
+    self,
+    plan: StepPlan,
+    leaves: list[LeafArrays],
+    mu: list,
+    nu: list,
+    scalars,
+    ratios,
+    static: dict,
+    *,
+    apply: bool,
+  ) -> list:
     """The updates (or new params) of every leaf; `mu`, `nu` get the moments pass 2 writes.
 
     From the new moments, or from g and the old ones (`pass2.from_grads`); in

@@ -30,8 +30,9 @@ def _writes_moments(c: LeafChunks) -> bool:
   return not c.leaf.narrow_moments
 
 
-def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, scalar_layout,
-           in_def, out_def) -> None:  # fmt: skip
+def kernel(
+  scalars_ref, *refs, table: Table, block: int, options: LambOptions, scalar_layout, in_def, out_def
+) -> None:
   """m', v' (in place where stored unrounded) and the chunk's partial sums of ||p||^2, ||u||^2
   at every `_ratios.SCALES` (six numbers: p's three, then u's)."""
   ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
@@ -58,8 +59,9 @@ def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, s
 @functools.partial(
   jax.jit, static_argnames=("table", "options", "scalar_layout", "block_sizes", "interpret")
 )
-def moments_and_norms(scalars, leaves, *, table, options, scalar_layout, block_sizes: BlockSizes,
-                      interpret) -> tuple[list[dict], jax.Array]:  # fmt: skip
+def moments_and_norms(
+  scalars, leaves, *, table, options, scalar_layout, block_sizes: BlockSizes, interpret
+) -> tuple[list[dict], jax.Array]:
   """Pass 1 over one bucket. `leaves`: per leaf of `table`, ``{g, m, p, v}`` flat arrays.
 
   Returns (per leaf ``{m, v}`` for the leaves whose moments it writes, else ``{}``;

@@ -39,8 +39,16 @@ def _outputs_like(leaf: LeafPlan) -> dict[str, str]:
   return {"out": "p", "m": "m", "v": "v"} if from_grads(leaf) else {"out": "p"}
 
 
-def _leaf_step(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratio, *, apply: bool,
-               kernel: bool = False) -> dict:  # fmt: skip
+def _leaf_step(
+  o: LambOptions,
+  s: StepScalars,
+  leaf: LeafPlan,
+  x: dict,
+  ratio,
+  *,
+  apply: bool,
+  kernel: bool = False,
+) -> dict:
   """The outputs of one leaf (or one chunk of it), from its named inputs; 8-bit moments
   requantized by a plain max in a `kernel` (`_leaf.stored`: the same codes and scales)."""
   out = {}
@@ -133,8 +141,9 @@ def updates(
   )
 
 
-def reference(o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratios, *,
-              apply: bool) -> dict:  # fmt: skip
+def reference(
+  o: LambOptions, s: StepScalars, leaf: LeafPlan, x: dict, ratios, *, apply: bool
+) -> dict:
   """Pass 2 for one leaf of any shape (flat, or as stacked), in jnp: its outputs by name.
 
   `x` holds the leaf's `input_names`; `ratios` is the step's whole ratio vector.

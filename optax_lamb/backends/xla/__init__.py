@@ -128,8 +128,9 @@ def _padded_rows(x: jax.Array, k: int, width: int) -> jax.Array:
   return jnp.pad(rows, ((0, 0), (0, width - shape[1])))
 
 
-def rows_sq_sums(rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax.Array] = ()
-                 ) -> tuple[tuple[jax.Array, ...], ...]:  # fmt: skip
+def rows_sq_sums(
+  rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax.Array] = ()
+) -> tuple[tuple[jax.Array, ...], ...]:
   """Per group, per input, the sums of (x s)^2 over each row: `s` the row's slot's entry of that
   input's `slot_scales` vector, or 1."""
   out = []
@@ -173,8 +174,16 @@ def _smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> se
   return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
 
 
-def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_rows: bool,
-           joint: bool, chunks: int) -> _Pass1:  # fmt: skip
+def _pass1(
+  plan: StepPlan,
+  leaf: LeafPlan,
+  x: LeafArrays,
+  keep_u: bool,
+  *,
+  in_rows: bool,
+  joint: bool,
+  chunks: int,
+) -> _Pass1:
   """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`, 8-bit
   moments' to a loop over `chunks` elements at a time (0: not)."""
   o, s = plan.options, plan.scalars
@@ -208,8 +217,9 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_ro
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
 
 
-def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
-               rows: SliceRows, joint: bool) -> jax.Array:  # fmt: skip
+def _ratios_of(
+  plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1], rows: SliceRows, joint: bool
+) -> jax.Array:
   """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales, computed
   only then from few operands: the small leaves' rows, the others' new moments and params."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
@@ -239,8 +249,9 @@ def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
   )
 
 
-def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale,
-                 u_scale, joint: bool) -> tuple:  # fmt: skip
+def _scaled_sums(
+  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale, u_scale, joint: bool
+) -> tuple:
   """The leaf's sums of (p s_p)^2 and (u s_u)^2 (`_ratios.rescue_scale`, per slice), in one pass."""
   k = leaf.stacked_axes
   if not leaf.adapt:
@@ -263,8 +274,9 @@ def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p
   return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k, joint=joint)
 
 
-def _pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *,
-           apply: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+def _pass2(
+  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1
   (narrow moments: `_narrow_pass2`; pass 1 only read them, u never sees their rounding)."""
   o, s = plan.options, plan.scalars
@@ -282,8 +294,9 @@ def _pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, 
   return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay), first.m, first.v
 
 
-def _narrow_pass2(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *,
-                  apply: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+def _narrow_pass2(
+  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *, apply: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
   update), the moments recomputed from g and the old ones, which pass 1 only read. XLA:CPU
   writes the three in separate fusions that each read the old moments: with `apply` the

@@ -35,8 +35,15 @@ def applies(shape: tuple[int, ...], stacked_axes: int) -> bool:
   return len(shape) - stacked_axes >= 2 and math.prod(shape) > 0
 
 
-def norm_sums(x: Any, o: LambOptions, s: StepScalars, *, decay: bool, stacked_axes: int,
-              chunk_elements: int = CHUNK_ELEMENTS) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def norm_sums(
+  x: Any,
+  o: LambOptions,
+  s: StepScalars,
+  *,
+  decay: bool,
+  stacked_axes: int,
+  chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[jax.Array, jax.Array]:
   """Per slice, the sums of squares of the ratio's params and of u (`_leaf.direction` from the
   new moments), for ``x`` a leaf's arrays (gradient, stored moments, param: `LeafArrays`), each
   viewed as (stacked axes, rows, its last axis) and read ``chunk_elements`` at a time."""
