@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 # optax.tree_map_params calls init with this placeholder to find the state's param-shaped parts
 # (optax/tree_utils/_state_utils.py, private). A missing name: nothing is a placeholder.
@@ -35,38 +32,6 @@ except ImportError:  # pragma: no cover
 TRITON_DEPRECATION = (
   r"The Pallas Triton backend is deprecated and will be removed in a future JAX version\."
 )
-
-
-# optax.chain and optax.named_chain run their stages one after another, handing each every
-# extra argument of update (optax/transforms/_combining.py). Whether a stage before the running
-# one already divided by update(..., grad_scale=s) is read from the frame of the chain's update
-# on the call stack: its local `update_fns` (chain) or `transforms` (named_chain), and the stage
-# it is running, `fn` or `tx` (optax 0.2.6 and 0.2.8). A chain whose locals differ yields no
-# stage: each stage divides, as before.
-_CHAIN_STAGES: dict[Any, Callable[[dict], tuple[list, Any]]] = {
-  optax.chain(optax.identity()).update.__code__: lambda local: (
-    list(local.get("update_fns", ())),
-    local.get("fn"),
-  ),
-  optax.named_chain(("a", optax.identity())).update.__code__: lambda local: (
-    [tx.update for _, tx in local.get("transforms", ())],
-    getattr(local.get("tx"), "update", None),
-  ),
-}
-
-
-def earlier_chain_stages() -> list[Callable]:
-  """The update functions that ran before the running one in every optax.chain (or named_chain)
-  whose update is on the call stack, innermost chain first."""
-  stages = []
-  frame: types.FrameType | None = sys._getframe(1)
-  while frame is not None:
-    read = _CHAIN_STAGES.get(frame.f_code)
-    if read is not None:
-      fns, running = read(frame.f_locals)
-      stages += fns[: fns.index(running)] if running in fns else []
-    frame = frame.f_back
-  return stages
 
 
 def is_params_placeholder(x: Any) -> bool:

@@ -13,9 +13,9 @@ import optax
 from optax_lamb.compat import _common
 from optax_lamb.core import _leaf, _ratios
 from optax_lamb.faults import _check_args, _checks
-from optax_lamb.faults._loss_scale import divides_by_grad_scale
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
+from optax_lamb.step._update_and_apply import FusableTransformation
 
 
 def onnxruntime_lamb(
@@ -247,7 +247,6 @@ def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
     new_updates = jax.tree.map(lambda u: keep(u, jnp.zeros_like(u)), new_updates)
     return new_updates, jax.tree.map(keep, new_state, state)
 
-  fused = getattr(tx.update, "fused_apply", None)
-  if fused is not None:  # update_and_apply passes no do_update
-    update_fn.fused_apply = fused  # type: ignore[attr-defined]
-  return optax.GradientTransformationExtraArgs(tx.init, divides_by_grad_scale(update_fn))
+  if isinstance(tx, FusableTransformation):  # update_and_apply passes no do_update
+    return FusableTransformation(tx.init, update_fn, tx.fused_apply)
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)

@@ -332,6 +332,18 @@ def leaf_info(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
+class _LayoutUnknown:
+  """The layout in the state ``init`` gives for `optax.tree_map_params`' placeholder, which has
+  no shapes: a plain leaf (not the placeholder), so the mapping treats the state's own layout
+  as a non-param field. Never in a state that ``update`` reads."""
+
+  def __repr__(self) -> str:
+    return "LAYOUT_UNKNOWN"
+
+
+LAYOUT_UNKNOWN: Any = _LayoutUnknown()  # typed as the layout it stands in for
+
+
 class ScaleByTrustRatioState(NamedTuple):
   """The trust ratios of the last update: one float32 vector for the whole tree (one buffer, as
   a jitted call pays host time per buffer), and its layout (:func:`optax_lamb.trust_ratios`).

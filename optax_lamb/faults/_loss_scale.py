@@ -8,11 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb import _interop
 from optax_lamb.core import _leaf, _options
 from optax_lamb.faults import _check_args
-
-_DIVIDES = "_optax_lamb_divides_by_grad_scale"  # marks the update functions that read it
 
 
 class UnscaleGradientsState(NamedTuple):
@@ -42,43 +39,41 @@ def unscale(grads: Any, grad_scale: Any) -> Any:
   return jax.tree.map(lambda g: _leaf.unscale(g, grad_scale), grads)
 
 
-def divides_by_grad_scale(update_fn: Any) -> Any:
-  """`update_fn`, marked as one that divides by ``update(..., grad_scale=s)`` (`given_scale`)."""
-  setattr(update_fn, _DIVIDES, True)
-  return update_fn
-
-
 def given_scale(given: Any) -> Any:
-  """The scale passed as ``update(..., grad_scale=s)`` for the running stage to divide by
-  (checked): `given`, or None where a stage before it in an enclosing ``optax.chain`` divides
-  by it (``optax.chain`` hands every stage every extra argument; the gradients that reach this
-  stage are unscaled already), so that it is divided out once."""
+  """The scale passed as ``update(..., grad_scale=s)``, checked: the gradients that update
+  receives are multiplied by it."""
   check_grad_scale(given)
-  earlier = _interop.earlier_chain_stages()
-  return None if any(getattr(fn, _DIVIDES, False) for fn in earlier) else given
+  return given
 
 
-def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExtraArgs:
+def unscale_gradients(
+  grad_scale: Any = None, *, from_update: bool = False
+) -> optax.GradientTransformationExtraArgs:
   r"""Divide the gradients by a loss scale: :math:`g \leftarrow g / s`.
 
   Put it first in a chain so that clipping, finiteness checks and the moments
   see the true gradient. The scale comes from the factory argument (a float, an
   array, or a schedule ``count -> scale`` evaluated on the number of updates so
-  far), or from the ``grad_scale=`` keyword of ``update`` for a dynamic loss
-  scaler such as ``jmp.DynamicLossScale`` (pass its ``loss_scale``). Giving both
-  is an error. With neither, gradients pass through unchanged. Low-precision
-  gradients are returned in float32.
+  far) or, with ``from_update=True``, from the ``grad_scale=`` keyword of ``update``
+  for a dynamic loss scaler such as ``jmp.DynamicLossScale`` (pass its
+  ``loss_scale``). Giving both is an error. With neither, gradients pass through
+  unchanged. Low-precision gradients are returned in float32.
 
-  ``optax.chain`` hands ``grad_scale=s`` to every stage. In a chain (at any depth,
-  through wrappers such as :func:`optax_lamb.skip_nonfinite`) the scale passed to
-  ``update`` is divided out once, by the first stage that divides by it: this one,
-  :func:`optax_lamb.lamb` or a compat constructor; the later ones take their input as
-  unscaled. So ``optax.chain(unscale_gradients(), optax_lamb.lamb(...))`` divides once,
-  as ``lamb`` alone does. A scale given when a stage is built is that stage's own and
-  always divides.
+  Who divides by ``update(..., grad_scale=s)``: ``optax.chain`` hands every extra
+  argument to every stage, so exactly one kind of stage reads it. optax_lamb's
+  optimizers (:func:`optax_lamb.lamb`, the ``optax_lamb.compat`` constructors) and
+  :func:`optax_lamb.skip_nonfinite`'s spike rule always take their gradients as
+  multiplied by it; this stage divides by it only when built with
+  ``from_update=True``, for chains of other optimizers (``optax.sgd``,
+  ``optax.adamw``, ...). So ``optax.chain(unscale_gradients(), optax_lamb.lamb(...))``
+  divides once (lamb does), as ``lamb`` alone does; ``from_update=True`` before an
+  optax_lamb optimizer would divide twice. A scale given when a stage is built is
+  that stage's own and always divides.
 
   Args:
     grad_scale: ``None``, a positive float, a scalar array, or a schedule.
+    from_update: divide by the ``grad_scale=`` passed to ``update`` (only where no
+      optax_lamb optimizer after this stage reads it).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; its state is
@@ -86,13 +81,20 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_lamb
-    >>> tx = optax.chain(optax_lamb.unscale_gradients(), optax.sgd(0.1))
+    >>> tx = optax.chain(optax_lamb.unscale_gradients(from_update=True), optax.sgd(0.1))
     >>> state = tx.init({"w": jnp.ones(2)})
     >>> updates, state = tx.update({"w": jnp.ones(2) * 1024.0}, state, grad_scale=1024.0)
     >>> print([round(x, 4) for x in updates["w"].tolist()])  # -0.1 * 1024 / 1024
     [-0.1, -0.1]
   """
   check_grad_scale(grad_scale)
+  if not isinstance(from_update, bool):
+    raise TypeError(f"from_update must be a bool, got from_update={from_update!r}")
+  if from_update and grad_scale is not None:
+    raise ValueError(
+      "unscale_gradients: give the scale when built (grad_scale) or pass it to update "
+      f"(from_update=True), not both; got grad_scale={grad_scale!r} and from_update=True"
+    )
   is_schedule = callable(grad_scale)
   grad_scale = _check_args.scalar_valued(grad_scale, "grad_scale")
 
@@ -104,12 +106,12 @@ def unscale_gradients(grad_scale: Any = None) -> optax.GradientTransformationExt
 
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     del params
-    given = extra_args.get("grad_scale")
+    given = extra_args.get("grad_scale") if from_update else None  # else the optimizer's
     given = None if given is None else given_scale(given)
     scale, state = _options.grad_scale_at_step(grad_scale, given, state)
     return (updates if scale is None else unscale(updates, scale)), state
 
-  return optax.GradientTransformationExtraArgs(init_fn, divides_by_grad_scale(update_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def check_grad_scale(grad_scale: Any) -> None:

@@ -10,7 +10,12 @@ import optax
 
 from optax_lamb import _interop, _nnx
 from optax_lamb.core import _leaf, _ratios
-from optax_lamb.core._options import RatioLayout, ScaleByTrustRatioState, StepScalars
+from optax_lamb.core._options import (
+  LAYOUT_UNKNOWN,
+  RatioLayout,
+  ScaleByTrustRatioState,
+  StepScalars,
+)
 from optax_lamb.faults import _check_args, _checks
 
 
@@ -114,20 +119,17 @@ def trust_ratio_stage(
     adapt_gate=adapt_gate,
   )
 
-  last_layout: list[RatioLayout] = []  # of the params init last saw
-
   def init_fn(params) -> Any:
     if _interop.is_params_placeholder(params):
-      # optax.tree_map_params' stand-in for the params: the layout of the params init saw
-      # last (its state is what gets mapped), or the placeholder where init never saw any.
-      layout = last_layout[-1] if last_layout else params
-      return ScaleByTrustRatioState(ratios=jnp.ones((0,), jnp.float32), layout=layout)
+      # optax.tree_map_params' stand-in for the params: no shapes, so no layout. A leaf that is
+      # not the placeholder stands in its place: the mapping keeps the state's own layout (or
+      # hands it to transform_non_params), whatever params the state was made for.
+      return ScaleByTrustRatioState(ratios=jnp.ones((0,), jnp.float32), layout=LAYOUT_UNKNOWN)
     _checks.resolve_per_leaf(mask, params, True, mask_name, "bool")  # fail early, by name
     treedef: Any = jax.tree.structure(params)
     axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
     shapes = [jnp.shape(p)[:k] for p, k in zip(treedef.flatten_up_to(params), axes, strict=True)]
     layout = RatioLayout(treedef, tuple(map(tuple, shapes)))
-    last_layout[:] = [layout]
     return ScaleByTrustRatioState(ratios=jnp.ones((layout.size,), jnp.float32), layout=layout)
 
   def update_fn(updates, state, params=None) -> tuple[Any, Any]:

@@ -5,8 +5,8 @@ by the loss scale and casts to float32; the step is the chain of stages
 (``implementation="reference"``, `optax_lamb.step._reference`) or a planned step
 (`optax_lamb.step._plan`) on the backend the registry picks (`optax_lamb.step._registry`).
 The same prologue runs before ``tx.update`` and before the fused apply of
-:func:`optax_lamb.update_and_apply`, which the transformation carries as the
-``fused_apply`` attribute of its update function (only where no wrapper sits
+:func:`optax_lamb.update_and_apply`, which the transformation carries as a
+`FusableTransformation`'s ``fused_apply`` (only where no wrapper sits
 between the prologue and the step, so the two compute the same thing).
 """
 
@@ -26,7 +26,6 @@ from optax_lamb.faults import _check_args, _checks, _skip, _spikes
 from optax_lamb.faults._loss_scale import (
   UnscaleGradientsState,
   check_grad_scale,
-  divides_by_grad_scale,
   given_scale,
 )
 from optax_lamb.memory._mixed_precision import (
@@ -36,6 +35,7 @@ from optax_lamb.memory._mixed_precision import (
   with_master_weights,
 )
 from optax_lamb.step import _plan, _reference, _registry
+from optax_lamb.step._update_and_apply import FusableTransformation
 
 Step = Callable[..., tuple[Any, Any]]  # (grads, state, params, *, apply) -> (out, state)
 
@@ -183,8 +183,9 @@ def with_prologue(
     inner: the transformation that receives checked, unscaled float32 gradients.
     who: the name errors give for the optimizer.
     grad_scale: the loss scale fixed at build time (see :func:`optax_lamb.unscale_gradients`);
-      a scale passed to ``update(..., grad_scale=s)`` is divided out too, unless a stage
-      before this one in an enclosing ``optax.chain`` divided by it (`given_scale`).
+      a scale passed to ``update(..., grad_scale=s)`` is divided out too (the optimizer is
+      the reader of that argument: :func:`optax_lamb.unscale_gradients` leaves it alone
+      unless built with ``from_update=True``).
     fused_apply: ``fn(grads, state, params) -> (new_params, new_state)`` computing
       ``inner.update`` + ``optax.apply_updates``; carried when no loss scale is set.
   """
@@ -228,8 +229,8 @@ def with_prologue(
       grads, state, params = prologue(grads, state, params)
       return fused_apply(grads, state, params)
 
-    update_fn.fused_apply = fused  # type: ignore[attr-defined]
-  return optax.GradientTransformationExtraArgs(init_fn, divides_by_grad_scale(update_fn))
+    return FusableTransformation(init_fn, update_fn, fused)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _leaf_arrays(plan: _plan.StepPlan, grads: Any, params: Any) -> list[_plan.LeafArrays]:

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optax
+
+FusedApply = Callable[[Any, Any, Any], tuple[Any, Any]]  # (grads, state, params) -> (params, state)
+
+
+class FusableTransformation(optax.GradientTransformationExtraArgs):
+  """An :class:`optax.GradientTransformationExtraArgs` that can also write the new params itself:
+  `fused_apply` computes ``update`` followed by ``optax.apply_updates`` in one pass, for
+  `update_and_apply`. To optax it is a plain transformation (``init``, ``update``); its wrappers
+  (``optax.chain``, ``MultiSteps``, ...) return plain ones, which `update_and_apply` runs
+  unfused."""
+
+  fused_apply: FusedApply
+
+  def __new__(cls, init: Any, update: Any, fused_apply: FusedApply) -> FusableTransformation:
+    tx = super().__new__(cls, init, update)
+    tx.fused_apply = fused_apply
+    return tx
 
 
 def update_and_apply(
@@ -17,7 +35,7 @@ def update_and_apply(
 
   For :func:`optax_lamb.lamb` the new params are written directly by the last
   pass over memory (no updates tree is built, no separate apply pass); the
-  transformation carries that fused apply as ``tx.update.fused_apply``. Any
+  transformation is a `FusableTransformation` carrying that fused apply. Any
   other transformation (and lamb inside a wrapper such as ``optax.MultiSteps``)
   falls back to ``tx.update`` + ``optax.apply_updates``, so this can be called
   unconditionally.
@@ -41,8 +59,7 @@ def update_and_apply(
     >>> print([round(x, 4) for x in params["w"][0].tolist()], params["w"].dtype)
     [0.999, 0.999, 0.999] float32
   """
-  fused = getattr(tx.update, "fused_apply", None)
-  if fused is not None:
-    return fused(grads, opt_state, params)
+  if isinstance(tx, FusableTransformation):
+    return tx.fused_apply(grads, opt_state, params)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state

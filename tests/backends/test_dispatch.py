@@ -274,9 +274,9 @@ def test_the_fused_apply_is_carried_by_lamb_on_a_backend_with_its_own_wrappers()
   """lamb's own skip and master weights are part of the planned step, so update_and_apply keeps
   its fused apply with them; a build-time loss scale and the chain of stages fall back."""
   for kwargs in ({}, {"skip_nonfinite": True}, {"master_weights": True}):
-    assert callable(optax_lamb.lamb(1e-3, **kwargs).update.fused_apply), kwargs
+    assert callable(optax_lamb.lamb(1e-3, **kwargs).fused_apply), kwargs
   for kwargs in ({"grad_scale": 2.0}, {"implementation": "reference"}):
-    assert not hasattr(optax_lamb.lamb(1e-3, **kwargs).update, "fused_apply"), kwargs
+    assert not hasattr(optax_lamb.lamb(1e-3, **kwargs), "fused_apply"), kwargs
   for kwargs in ({"skip_nonfinite": True}, {"master_weights": True}, {"grad_scale": 2.0}):
     tx = optax_lamb.lamb(1e-3, **kwargs)
     params = {"w": jnp.ones(3)}

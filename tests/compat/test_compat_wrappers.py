@@ -67,7 +67,7 @@ def _quiet_interpret_mode():
 @pytest.mark.parametrize("library,case", FUSED)
 def test_update_and_apply_reproduces_library(library, case, implementation):
   tx = _build(library, case, implementation=IMPLEMENTATIONS[implementation])
-  assert getattr(tx.update, "fused_apply", None) is not None
+  assert getattr(tx, "fused_apply", None) is not None
   ours = trajectory(tx, fused=True)
   _assert_reproduces(library, case, ours["final"])
 

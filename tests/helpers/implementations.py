@@ -25,7 +25,7 @@
 - ``"reference"``: the plain chain of stages.
 
 The configurations are backend objects passed as ``implementation=``; for the
-Pallas ones, `lamb_for` also wraps ``update`` (and its ``fused_apply``) so that
+Pallas ones, `lamb_for` also wraps ``update`` (and the transformation's ``fused_apply``) so that
 a warning that the step fell back to the XLA path is an error.
 """
 
@@ -42,6 +42,7 @@ import optax
 import optax_lamb
 from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 from optax_lamb.backends.xla import XlaBackend
+from optax_lamb.step._update_and_apply import FusableTransformation
 
 
 @contextlib.contextmanager
@@ -110,9 +111,9 @@ def lamb_for(implementation: str) -> Callable[..., optax.GradientTransformationE
     if context is contextlib.nullcontext:
       return tx
     update = _traced_in(context, tx.update)
-    fused = getattr(tx.update, "fused_apply", None)
+    fused = getattr(tx, "fused_apply", None)
     if fused is not None:
-      update.fused_apply = _traced_in(context, fused)
+      return FusableTransformation(tx.init, update, _traced_in(context, fused))
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
   signature = inspect.signature(optax_lamb.lamb)  # less `implementation`: this factory sets it

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from helpers import seeds
+from helpers.asserts import assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,3 +85,17 @@ def test_ratio_state_is_one_buffer_replicated_by_tree_map_params():
   ratio_state = mapped[3]
   assert ratio_state.ratios == "other"
   assert mapped[1].mu == {"w": "param-shaped", "b": "param-shaped"}
+
+
+def test_init_is_pure_tree_map_params_after_init_on_another_tree():
+  """init keeps nothing between calls: after init on another tree, optax.tree_map_params of the
+  first tree's state maps it as it maps a fresh one (the same structure, the same values)."""
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+  other = {"x": jnp.ones((5, 2))}
+  for tx in (optax_lamb.lamb(1e-3), optax_lamb.scale_by_trust_ratio()):
+    state = tx.init(params)
+    fresh = optax.tree_map_params(tx, lambda v: v + 1, state)
+    tx.init(other)
+    after = optax.tree_map_params(tx, lambda v: v + 1, state)
+    assert jax.tree.structure(after) == jax.tree.structure(state)
+    assert_trees_equal(after, fresh)

@@ -95,19 +95,67 @@ def test_unscale_gradients_after_lamb_leaves_its_updates():
 
 
 def test_a_scale_given_when_built_is_the_stage_own():
-  """Both places: lamb built with grad_scale=s0 after unscale_gradients() given s at
-  update divides by both (its own scale, and the passed one once)."""
-  chained = optax.chain(
-    optax_lamb.unscale_gradients(),
-    optax_lamb.lamb(1e-2, weight_decay=0.01, max_grad_norm=1.0, grad_scale=4.0),
-  )
-  assert_close(_scaled_run(chained, 4.0 * 32.0, grad_scale=32.0), run_steps(_lamb_clipped()))
+  """Both places: lamb built with grad_scale=s0 after unscale_gradients(s) divides by both (each
+  stage's own scale); lamb built with s0 and given s at update refuses, naming grad_scale."""
+  built = lambda: optax_lamb.lamb(1e-2, weight_decay=0.01, max_grad_norm=1.0, grad_scale=4.0)
+  chained = optax.chain(optax_lamb.unscale_gradients(32.0), built())
+  assert_close(_scaled_run(chained, 4.0 * 32.0), run_steps(_lamb_clipped()))
+  with pytest.raises(ValueError, match=r"grad_scale was given both .* grad_scale=32\.0"):
+    _scaled_run(optax.chain(optax_lamb.unscale_gradients(), built()), 1.0, grad_scale=32.0)
 
 
 def test_unscale_gradients_alone_still_divides():
-  """The guard of the rule: a chain whose only reader of grad_scale is unscale_gradients, and
-  lamb called on its own, each divide once."""
+  """The guard of the rule: a chain whose only reader of grad_scale is unscale_gradients (asked
+  to read it: from_update=True), and lamb called on its own, each divide once."""
   sgd = optax.sgd(0.1)
-  chained = optax.chain(optax_lamb.unscale_gradients(), sgd)
+  chained = optax.chain(optax_lamb.unscale_gradients(from_update=True), sgd)
   assert_close(_scaled_run(chained, 16.0, grad_scale=16.0), run_steps(sgd))
   assert_close(_scaled_run(_lamb_clipped(), 16.0, grad_scale=16.0), run_steps(_lamb_clipped()))
+
+
+def test_unscale_gradients_reads_the_update_scale_only_when_asked():
+  """The contract, explicit: lamb reads update(..., grad_scale=s); unscale_gradients() leaves it
+  alone (a chain of it and sgd is sgd), and from_update=True makes it divide, so before lamb
+  the scale is divided twice (the documented misuse, computed as written)."""
+  sgd = optax.sgd(0.1)
+  assert_close(
+    _scaled_run(optax.chain(optax_lamb.unscale_gradients(), sgd), 1.0, grad_scale=16.0),
+    run_steps(sgd),
+  )
+  twice = optax.chain(optax_lamb.unscale_gradients(from_update=True), _lamb_clipped())
+  got = _scaled_run(twice, 16.0 * 16.0, grad_scale=16.0)
+  assert_close(got, run_steps(_lamb_clipped()))
+
+
+def _hand_chain(*stages):
+  """A chain written by hand (not optax.chain): each stage gets every extra argument."""
+
+  def init(params):
+    return tuple(s.init(params) for s in stages)
+
+  def update(updates, state, params=None, **extra):
+    new = []
+    for stage, s in zip(stages, state, strict=True):
+      updates, s = optax.with_extra_args_support(stage).update(updates, s, params, **extra)
+      new.append(s)
+    return updates, tuple(new)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.mark.parametrize("lamb_first", [False, True])
+def test_the_contract_needs_no_optax_chain(lamb_first):
+  """Who divides does not depend on which chain runs the stages (nothing reads the call
+  stack): a hand-written chain divides once, in both orders, as optax.chain does."""
+  stages = [optax_lamb.unscale_gradients(), _lamb_clipped()]
+  stages = stages[::-1] if lamb_first else stages
+  got = _scaled_run(_hand_chain(*stages), 8.0, grad_scale=8.0)
+  assert_close(got, run_steps(_lamb_clipped()))
+  assert_close(got, _scaled_run(optax.chain(*stages), 8.0, grad_scale=8.0))
+
+
+def test_unscale_gradients_refuses_two_sources_of_the_scale():
+  with pytest.raises(ValueError, match=r"grad_scale=4\.0 and from_update=True"):
+    optax_lamb.unscale_gradients(4.0, from_update=True)
+  with pytest.raises(TypeError, match=r"from_update must be a bool, got from_update='yes'"):
+    optax_lamb.unscale_gradients(from_update="yes")
