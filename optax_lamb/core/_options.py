@@ -193,6 +193,13 @@ class RatioLayout:
   def __hash__(self) -> int:  # every jitted call hashes its arguments' static data: once here
     return self._hash
 
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, RatioLayout):
+      return NotImplemented
+    if self.treedef is None or other.treedef is None:  # LAYOUT_UNKNOWN stands for any layout
+      return True
+    return (self.treedef, self.shapes) == (other.treedef, other.shapes)
+
   @functools.cached_property
   def _hash(self) -> int:
     return hash((self.treedef, self.shapes))
@@ -332,16 +339,21 @@ def leaf_info(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
-class _LayoutUnknown:
-  """The layout in the state ``init`` gives for `optax.tree_map_params`' placeholder, which has
-  no shapes: a plain leaf (not the placeholder), so the mapping treats the state's own layout
-  as a non-param field. Never in a state that ``update`` reads."""
-
-  def __repr__(self) -> str:
-    return "LAYOUT_UNKNOWN"
+# The layout in the state init gives for optax.tree_map_params' placeholder, which has no shapes:
+# it equals every layout, so the mapping pairs it with the state's own; the mapped state carries
+# it, and update puts the params' layout back (`with_layouts_of`). Never read for its offsets.
+LAYOUT_UNKNOWN = RatioLayout(treedef=None, shapes=())
 
 
-LAYOUT_UNKNOWN: Any = _LayoutUnknown()  # typed as the layout it stands in for
+def with_layouts_of(expected: Any, state: Any) -> Any:
+  """`state` with the trust-ratio layouts of `expected` (``init``'s state for these params, of the
+  same structure): a state mapped by optax.tree_map_params carries `LAYOUT_UNKNOWN`, a Flax NNX
+  state layouts whose tree metadata differs from init's."""
+  is_layout = lambda x: isinstance(x, RatioLayout)
+  wanted = iter([x for x in jax.tree.leaves(expected, is_leaf=is_layout) if is_layout(x)])
+  treedef: Any
+  leaves, treedef = jax.tree.flatten(state, is_leaf=is_layout)
+  return treedef.unflatten([next(wanted) if is_layout(x) else x for x in leaves])
 
 
 class ScaleByTrustRatioState(NamedTuple):

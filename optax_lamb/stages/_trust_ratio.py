@@ -121,15 +121,10 @@ def trust_ratio_stage(
 
   def init_fn(params) -> Any:
     if _interop.is_params_placeholder(params):
-      # optax.tree_map_params' stand-in for the params: no shapes, so no layout. A leaf that is
-      # not the placeholder stands in its place: the mapping keeps the state's own layout (or
-      # hands it to transform_non_params), whatever params the state was made for.
+      # optax.tree_map_params' stand-in for the params: no shapes, so a layout equal to any.
       return ScaleByTrustRatioState(ratios=jnp.ones((0,), jnp.float32), layout=LAYOUT_UNKNOWN)
     _checks.resolve_per_leaf(mask, params, True, mask_name, "bool")  # fail early, by name
-    treedef: Any = jax.tree.structure(params)
-    axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
-    shapes = [jnp.shape(p)[:k] for p, k in zip(treedef.flatten_up_to(params), axes, strict=True)]
-    layout = RatioLayout(treedef, tuple(map(tuple, shapes)))
+    layout = layout_of(params, stacked_axes)
     return ScaleByTrustRatioState(ratios=jnp.ones((layout.size,), jnp.float32), layout=layout)
 
   def update_fn(updates, state, params=None) -> tuple[Any, Any]:
@@ -143,7 +138,7 @@ def trust_ratio_stage(
     names = _checks.resolve_axis_names(axis_name, params)
     names = [n if a else None for n, a in zip(names, adapts, strict=True)]
     us, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
-    layout = state.layout
+    layout = layout_of(params, stacked_axes)  # the state's may be tree_map_params' placeholder
     ratios = _ratio_vector(us, ps, s, layout, adapts, axes, names)
     scaled = [
       _leaf.scale_by_ratio(u, r) if a else u
@@ -152,6 +147,14 @@ def trust_ratio_stage(
     return treedef.unflatten(scaled), ScaleByTrustRatioState.after_step(ratios, layout)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def layout_of(params: Any, stacked_axes: Any) -> RatioLayout:
+  """The trust ratios' layout for `params`: one entry per leaf, or per stacked slice."""
+  treedef: Any = jax.tree.structure(params)
+  axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))
+  shapes = [jnp.shape(p)[:k] for p, k in zip(treedef.flatten_up_to(params), axes, strict=True)]
+  return RatioLayout(treedef, tuple(map(tuple, shapes)))
 
 
 def _ratio_vector(

@@ -207,7 +207,9 @@ def with_prologue(
     """
     _checks.check_update_args(grads, params, who)
     # The state must be what init gives for these params: checked on shapes, at trace time.
-    _checks.check_state(state, jax.eval_shape(init_fn, params), who)
+    expected = jax.eval_shape(init_fn, params)
+    _checks.check_state(state, expected, who)
+    state = _options.with_layouts_of(expected, state)
     params = jax.tree.map(jnp.asarray, params)
     return _leaf.to_compute_dtype(jax.tree.map(jnp.asarray, grads)), state, params
 
