@@ -352,15 +352,15 @@ def divergence_summary(divergence_path: str) -> str:
 # What each public symbol replaces in optax, where it has a counterpart (the API summary's last
 # column; a symbol not listed here shows "none").
 _OPTAX_EQUIVALENT = {
-  "optax_lamb.lamb": "`optax.lamb` (first seven arguments)",
-  "optax_lamb.update_and_apply": "`tx.update` + `optax.apply_updates`",
-  "optax_lamb.scale_by_adam": "`optax.scale_by_adam`",
-  "optax_lamb.add_decayed_weights": "`optax.add_decayed_weights`",
-  "optax_lamb.scale_by_trust_ratio": "`optax.scale_by_trust_ratio`",
-  "optax_lamb.clip_by_global_norm": "`optax.clip_by_global_norm`",
-  "optax_lamb.skip_nonfinite": "`optax.apply_if_finite`",
-  "optax_lamb.SkipNonFiniteState": "`optax.ApplyIfFiniteState`",
-  "optax_lamb.ScaleByTrustRatioState": "`optax.ScaleByTrustRatioState` (which keeps no ratios)",
+  "optax_lamb.lamb": "{py:obj}`optax.lamb` (first seven arguments)",
+  "optax_lamb.update_and_apply": "`tx.update` + {py:obj}`optax.apply_updates`",
+  "optax_lamb.scale_by_adam": "{py:obj}`optax.scale_by_adam`",
+  "optax_lamb.add_decayed_weights": "{py:obj}`optax.add_decayed_weights`",
+  "optax_lamb.scale_by_trust_ratio": "{py:obj}`optax.scale_by_trust_ratio`",
+  "optax_lamb.clip_by_global_norm": "{py:obj}`optax.clip_by_global_norm`",
+  "optax_lamb.skip_nonfinite": "{py:obj}`optax.apply_if_finite`",
+  "optax_lamb.SkipNonFiniteState": "{py:obj}`optax.ApplyIfFiniteState`",
+  "optax_lamb.ScaleByTrustRatioState": "{py:obj}`optax.ScaleByTrustRatioState` (which keeps no ratios)",
 }
 
 

@@ -226,3 +226,44 @@ def test_every_stated_floor_ratio_is_the_committed_results_own():
       assert any(f"{m:.{digits}f}" == ratio for m in measured), f"{page}: {ratio}x the floor"
       stated += 1
   assert stated, "no page states a ratio to the floor"
+
+
+def _inventory_names():
+  """The names the committed optax and jax inventories hold (docs/_inventories)."""
+  from sphinx.util.inventory import InventoryFile
+
+  names = set()
+  for path in glob.glob(os.path.join(ROOT, "docs", "_inventories", "*.inv")):
+    with open(path, "rb") as f:
+      inventory = InventoryFile.load(f, "", lambda base, uri: uri)
+    names |= {name for items in dict(inventory).values() for name in items}
+  return names
+
+
+def test_the_committed_inventories_are_what_their_script_writes(tmp_path):
+  spec = importlib.util.spec_from_file_location(
+    "make_inventories", os.path.join(ROOT, "docs", "_inventories", "make_inventories.py")
+  )
+  maker = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(maker)
+  for project in maker.INVENTORIES:
+    maker.write(project, tmp_path / f"{project}.inv")
+    with open(os.path.join(ROOT, "docs", "_inventories", f"{project}.inv"), "rb") as f:
+      assert (tmp_path / f"{project}.inv").read_bytes() == f.read(), f"rerun {spec.origin}"
+
+
+def test_every_optax_and_jax_role_links():
+  """A MyST role naming an optax or jax object (``{py:func}`optax.apply_updates```) is in the
+  committed inventories: the build ignores a missing one (nitpick_ignore), and it would render
+  as plain text."""
+  known = _inventory_names()
+  missing = []
+  for page in PAGES:
+    with open(os.path.join(ROOT, page)) as f:
+      text = f.read()
+    for target in re.findall(
+      r"\{(?:py:)?(?:func|obj|class|meth|mod)\}`~?((?:optax|jax)\.[\w.]+)`", text
+    ):
+      if target not in known:
+        missing.append(f"{page}: {target}")
+  assert not missing, f"not in docs/_inventories (add them to make_inventories.py): {missing}"
