@@ -29,10 +29,14 @@ INVENTORIES = {
       "api/transformations.html": [
         ("optax.scale_by_adam", "function"), ("optax.add_decayed_weights", "function"),
         ("optax.scale_by_trust_ratio", "function"), ("optax.clip_by_global_norm", "function"),
-        ("optax.chain", "function"), ("optax.GradientTransformation", "class"),
+        ("optax.GradientTransformation", "class"),
         ("optax.ScaleByAdamState", "class"), ("optax.ScaleByTrustRatioState", "class"),
       ],
       "api/apply_updates.html": [("optax.apply_updates", "function")],
+      "api/combining_optimizers.html": [
+        ("optax.chain", "function"), ("optax.multi_transform", "function"),
+        ("optax.partition", "function"),
+      ],
       "api/optimizer_wrappers.html": [
         ("optax.apply_if_finite", "function"), ("optax.ApplyIfFiniteState", "class"),
         ("optax.MultiSteps", "class"), ("optax.masked", "function"),
@@ -50,11 +54,12 @@ INVENTORIES = {
       f"_autosummary/{name}.html": [(name, "function")]
       for name in (
         "jax.jit", "jax.grad", "jax.value_and_grad", "jax.vmap", "jax.pmap", "jax.shard_map",
-        "jax.eval_shape", "jax.make_mesh", "jax.set_mesh", "jax.device_put", "jax.lax.psum",
+        "jax.eval_shape", "jax.jvp", "jax.vjp", "jax.make_mesh", "jax.set_mesh", "jax.device_put", "jax.lax.psum",
         "jax.lax.pmean", "jax.lax.psum_scatter", "jax.lax.cond", "jax.tree.map",
       )
     }
     | {
+      "_autosummary/jax.custom_jvp.html": [("jax.custom_jvp", "class")],
       "jax.sharding.html": [
         ("jax.sharding.NamedSharding", "class"), ("jax.sharding.PartitionSpec", "class"),
       ],
