@@ -4,10 +4,11 @@ searched settings trained longer (`budget.json`), the search past the plateau (`
 the replay of the diverged run (`divergence.json`) and 8-bit against float32 moments
 (`moments8.json`).
 
-The docs build writes `benchmark_tables` into the benchmarks page. The README, `docs/memory.md` and
-`docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
-`<!-- end NAME -->` markers; `python -m docs._render` rewrites them, and a test keeps them
-equal to a fresh render.
+The docs build writes `benchmark_tables` into the benchmarks page. The README and the pages in
+`benchmark_blocks` and `_recipe_blocks` hold blocks between `<!-- NAME: python -m docs._render -->`
+and `<!-- end NAME -->` markers; `python -m docs._render` rewrites them, and tests keep them equal
+to a fresh render (the benchmark blocks in a fast test). Every ratio to the bandwidth floor is
+computed here from the results' own `floor_bytes_per_param` (`traffic`).
 """
 
 from __future__ import annotations
