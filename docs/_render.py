@@ -4,10 +4,11 @@ searched settings trained longer (`budget.json`), the search past the plateau (`
 the replay of the diverged run (`divergence.json`) and 8-bit against float32 moments
 (`moments8.json`).
 
-The docs build writes `benchmark_tables` into the benchmarks page. The README, `docs/memory.md` and
-`docs/recipe.md` hold blocks between `<!-- NAME: python -m docs._render -->` and
-`<!-- end NAME -->` markers; `python -m docs._render` rewrites them, and a test keeps them
-equal to a fresh render.
+The docs build writes `benchmark_tables` into the benchmarks page. The README and the pages in
+`benchmark_blocks` and `_recipe_blocks` hold blocks between `<!-- NAME: python -m docs._render -->`
+and `<!-- end NAME -->` markers; `python -m docs._render` rewrites them, and tests keep them equal
+to a fresh render (the benchmark blocks in a fast test). Every ratio to the bandwidth floor is
+computed here from the results' own `floor_bytes_per_param` (`traffic`).
 """
 
 from __future__ import annotations
@@ -104,52 +105,62 @@ def _latest_gpu_file(results_dir: str) -> str:
   return max(paths, key=lambda p: (str(_load(p).get("date")), p))
 
 
-def gpu_headline(results_dir: str) -> str:
-  """The README's GPU figures: each tree of the latest GPU file, optax.lamb against `lamb` (auto)."""
-  path = _latest_gpu_file(results_dir)
-  report = _load(path)
-  rows = [
-    f"Measured on {_source(report, path)}; one jitted, donated step, device-only (20 steps inside "
-    "one jit) and end to end (one call per step):",
-    "",
-    "| tree | `optax.lamb` device / end to end | `optax_lamb.lamb` device / end to end "
-    "| speed vs `optax.lamb`, device / end to end |",
-    "|---|---:|---:|---:|",
+def traffic(results_dir: str, name: str, tree: str, implementations: tuple[str, ...]) -> str:
+  """One sentence: the bytes per parameter that `implementations` moved on `tree` (device time x
+  the copy bandwidth measured in the same run / params), as multiples of the file's single-pass
+  floor (`floor_bytes_per_param`: read g, m, v, p and write m, v, p once, float32)."""
+  report = _load(os.path.join(results_dir, name))
+  case = report["cases"][tree]
+  floor = report["floor_bytes_per_param"]
+  bandwidth = case.get("bandwidth_gbps", report["bandwidth_gbps"])
+  moved = [
+    f"{_IMPLEMENTATIONS.get(impl, impl)} {_fmt(case['results'][impl]['device_ms'])} ms, "
+    f"{case['results'][impl]['bytes_per_param']:.1f} B/param "
+    f"({case['results'][impl]['bytes_per_param'] / floor:.2f}x the floor)"
+    for impl in implementations
   ]
-  for name, case in report["cases"].items():
-    base, ours = case["results"]["optax.lamb"], case["results"]["optax_lamb.lamb"]
-    speeds = [f"{_ms(base, k) / _ms(ours, k):.2f}x" for k in ("device_ms", "e2e_ms")]
-    rows.append(
-      f"| {name} | {_fmt(_ms(base, 'device_ms'))} / {_fmt(_ms(base, 'e2e_ms'))} ms "
-      f"| {_fmt(_ms(ours, 'device_ms'))} / {_fmt(_ms(ours, 'e2e_ms'))} ms "
-      f"| {speeds[0]} / {speeds[1]} |"
-    )
-  return "\n".join(rows)
+  speed = f"{bandwidth / 1e3:.2f} TB/s" if bandwidth >= 1e3 else f"{bandwidth:.1f} GB/s"
+  return (
+    f"Device-only on {tree} at the {speed} copy bandwidth measured in the same "
+    f"run (`benchmarks/results/{name}`), against the {floor} B/param single-pass floor (read g, m, "
+    f"v, p and write m, v, p once, float32): " + "; ".join(moved) + "."
+  )
+
+
+def _device_name(report: dict) -> str:
+  """The device column of the README's table: a GPU's kind, "CPU" for a CPU."""
+  return report.get("device_kind", "GPU") if report.get("backend") == "gpu" else "CPU"
 
 
 def headline(results_dir: str) -> str:
-  """The README's figures: BERT-base and BERT-large on the CPU file, optax.lamb against ours,
-  device-only and end to end."""
-  path = os.path.join(results_dir, "cpu-2core.json")
-  report = _load(path)
-  cases = {name: report["cases"][name]["results"] for name in ("bert-base", "bert-large")}
+  """The README's figures: BERT-base and BERT-large, optax.lamb against `lamb` and
+  `update_and_apply`, device-only and end to end, on the CPU file and the latest GPU file (where
+  `lamb`, `auto`, takes the Pallas kernels), then the GPU's bytes moved against the floor."""
   keys = ("device_ms", "e2e_ms")
+  files = [os.path.join(results_dir, "cpu-2core.json"), _latest_gpu_file(results_dir)]
+  reports = [_load(path) for path in files]
+  runs = sorted({report["runs"] for report in reports})
   rows = [
-    f"Measured on {_source(report, path)}; one jitted, donated step, device-only / end to end "
-    "(ms, and the time as a multiple of `optax.lamb`'s):",
+    "One jitted, donated step, device-only / end to end (ms, and the time as a multiple of "
+    f"`optax.lamb`'s), median of {' or '.join(map(str, runs))} runs, on "
+    + " and ".join(_source(r, p) for r, p in zip(reports, files, strict=True))
+    + "; on the GPU `optax_lamb.lamb` (`auto`) takes the Pallas Triton kernels:",
     "",
-    "| tree | `optax.lamb` | `optax_lamb.lamb` | `update_and_apply` |",
+    "| device, tree | `optax.lamb` | `optax_lamb.lamb` | `update_and_apply` |",
     "|---|---:|---:|---:|",
   ]
-  for name, results in cases.items():
-    base = [_ms(results["optax.lamb"], k) for k in keys]
-    cells = [" / ".join(_fmt(b, 0) for b in base) + " ms"]
-    for impl in ("optax_lamb.lamb", "update_and_apply"):
-      times = [_ms(results[impl], k) for k in keys]
-      ratios = " / ".join(f"{t / b:.2f}x" for t, b in zip(times, base, strict=True))
-      cells.append(" / ".join(_fmt(t, 0) for t in times) + f" ms ({ratios})")
-    rows.append(f"| {name} | " + " | ".join(cells) + " |")
-  return "\n".join(rows)
+  for report in reports:
+    for name in ("bert-base", "bert-large"):
+      results = report["cases"][name]["results"]
+      base = [_ms(results["optax.lamb"], k) for k in keys]
+      cells = [" / ".join(_fmt(b) for b in base) + " ms"]
+      for impl in ("optax_lamb.lamb", "update_and_apply"):
+        times = [_ms(results[impl], k) for k in keys]
+        ratios = " / ".join(f"{t / b:.2f}x" for t, b in zip(times, base, strict=True))
+        cells.append(" / ".join(_fmt(t) for t in times) + f" ms ({ratios})")
+      rows.append(f"| {_device_name(report)}, {name} | " + " | ".join(cells) + " |")
+  gpu = os.path.basename(files[1])
+  return "\n".join([*rows, "", traffic(results_dir, gpu, "bert-large", ("update_and_apply",))])
 
 
 def study_summary(study_path: str) -> str:
@@ -221,23 +232,88 @@ def budget_summary(budget_path: str, full: bool) -> str:
   )
 
 
-def memory(results_dir: str, full: bool) -> str:
-  """The memory benchmark (benchmarks/memory.py): its table, or its one-line summary."""
+# The layouts of the norms' block sums that the memory files measure (benchmarks/memory.py
+# `--norm-blocks`), by the name each entry records, in the order the tables show them.
+_NORM_LAYOUTS = {
+  "rows": "the accelerators' layout (rows)",
+  "columns": "the CPU backend's (columns)",
+}
+# The README's line: these configurations on BERT-base.
+_MEMORY_SUMMARY = ("optax.lamb", "lamb", "lamb, skip_nonfinite",
+                   "lamb, bfloat16 params, master weights", "update_and_apply, 8-bit moments")  # fmt: skip
+
+
+def _memory_files(results_dir: str) -> dict[str, tuple[str, dict]]:
+  """Norm layout -> (file name, results) of the committed memory files; each file holds one
+  layout (every entry records it)."""
+  found = {}
+  for path in sorted(glob.glob(os.path.join(results_dir, "memory", "*.json"))):
+    results = _load(path)
+    layouts = {r["norm_blocks"] for t in results["trees"].values() for r in t.values()}
+    if len(layouts) != 1 or layouts & found.keys():
+      raise ValueError(f"{path}: one norm layout a file, one file a layout (found {layouts})")
+    found[layouts.pop()] = (os.path.basename(path), results)
+  return {layout: found[layout] for layout in _NORM_LAYOUTS if layout in found}
+
+
+def _memory_source(files: dict[str, tuple[str, dict]]) -> str:
+  """Where and when each layout was measured: the device and jax once where the files agree."""
   from benchmarks import memory as bench
 
-  path = os.path.join(results_dir, "memory", "cpu-2core.json")
-  if not os.path.exists(path):  # not committed yet: say so rather than print a number
+  machines = {(r["device"], r["versions"].get("jax", "?")) for _, r in files.values()}
+  each = [
+    f"{layout}: commit {', '.join(bench.commits(r))}, {r['date']}, "
+    f"`benchmarks/results/memory/{name}`"
+    + ("" if len(machines) == 1 else f", {r['device']}, jax {r['versions'].get('jax', '?')}")
+    for layout, (name, r) in files.items()
+  ]
+  common = "{}, jax {}; ".format(*machines.pop()) if len(machines) == 1 else ""
+  return common + "; ".join(each)
+
+
+def memory(results_dir: str, full: bool) -> str:
+  """The memory benchmark (benchmarks/memory.py), each norm layout measured: the table of every
+  configuration (state bytes and temporaries), or the README's one-line summary."""
+  files = _memory_files(results_dir)
+  if not files:  # not committed: say so rather than print a number
+    return "Memory: not measured at this commit (`python -m benchmarks.memory` writes it)."
+  temps = lambda tree, config: [  # noqa: E731
+    results["trees"].get(tree, {}).get(config, {}).get("temp_over_param_bytes")
+    for _, results in files.values()
+  ]
+  cell = lambda xs: " / ".join("not measured" if x is None else f"{x:.4f}x" for x in xs)  # noqa: E731
+  layouts = " / ".join(_NORM_LAYOUTS[layout] for layout in files)
+  if not full:
+    cells = ", ".join(f"`{c}` {cell(temps('bert-base', c))}" for c in _MEMORY_SUMMARY)
     return (
-      "Memory: not measured at this commit (`benchmarks/results/memory/cpu-2core.json`, written by "
-      "`python -m benchmarks.memory`, is not committed yet)."
+      "Compiled temporaries of one donated step on bert-base, as a multiple of the params' bytes, "
+      f"with the norms summed in {layouts}: {cells} ({_memory_source(files)})."
     )
-  results = _load(path)
-  source = (
-    f"Measured on {results['device']}, jax {results['versions'].get('jax', '?')}, commit "
-    f"{', '.join(bench.commits(results))}, {results['date']} "
-    "(`benchmarks/results/memory/cpu-2core.json`)."
-  )
-  return f"{source}\n\n{bench.table(results)}" if full else bench.summary(results)
+  first = next(iter(files.values()))[1]
+  trees = list(first["trees"])
+  rows = [
+    f"Measured on {_memory_source(files)}. Temporaries as a multiple of the params' bytes, with "
+    f"the norms summed in {layouts}; the state's bytes per parameter do not depend on the layout "
+    "(one figure where the trees agree).",
+    "",
+    "| configuration | state B/param (device, host) | "
+    + " | ".join(f"{t}: temporaries" for t in trees)
+    + " |",
+    "|---|---:|" + "---:|" * len(trees),
+  ]
+  for config in first["configurations"]:
+    states = []  # each tree's, once where the trees agree
+    for t in trees:
+      r = first["trees"][t].get(config)
+      state = "not measured" if r is None else (
+        f"{r['state_device_bytes_per_param']:.2f}, {r['state_host_bytes_per_param']:.2f}")  # fmt: skip
+      states += [] if state in states else [state]
+    rows.append(
+      f"| `{config}` | {' / '.join(states)} | "
+      + " | ".join(cell(temps(t, config)) for t in trees)
+      + " |"
+    )
+  return "\n".join(rows)
 
 
 def plateau_summary(plateau_path: str, full: bool) -> str:
@@ -277,15 +353,15 @@ def divergence_summary(divergence_path: str) -> str:
 # What each public symbol replaces in optax, where it has a counterpart (the API summary's last
 # column; a symbol not listed here shows "none").
 _OPTAX_EQUIVALENT = {
-  "optax_lamb.lamb": "`optax.lamb` (first seven arguments)",
-  "optax_lamb.update_and_apply": "`tx.update` + `optax.apply_updates`",
-  "optax_lamb.scale_by_adam": "`optax.scale_by_adam`",
-  "optax_lamb.add_decayed_weights": "`optax.add_decayed_weights`",
-  "optax_lamb.scale_by_trust_ratio": "`optax.scale_by_trust_ratio`",
-  "optax_lamb.clip_by_global_norm": "`optax.clip_by_global_norm`",
-  "optax_lamb.skip_nonfinite": "`optax.apply_if_finite`",
-  "optax_lamb.SkipNonFiniteState": "`optax.ApplyIfFiniteState`",
-  "optax_lamb.ScaleByTrustRatioState": "`optax.ScaleByTrustRatioState` (which keeps no ratios)",
+  "optax_lamb.lamb": "{py:obj}`optax.lamb` (first seven arguments)",
+  "optax_lamb.update_and_apply": "`tx.update` + {py:obj}`optax.apply_updates`",
+  "optax_lamb.scale_by_adam": "{py:obj}`optax.scale_by_adam`",
+  "optax_lamb.add_decayed_weights": "{py:obj}`optax.add_decayed_weights`",
+  "optax_lamb.scale_by_trust_ratio": "{py:obj}`optax.scale_by_trust_ratio`",
+  "optax_lamb.clip_by_global_norm": "{py:obj}`optax.clip_by_global_norm`",
+  "optax_lamb.skip_nonfinite": "{py:obj}`optax.apply_if_finite`",
+  "optax_lamb.SkipNonFiniteState": "{py:obj}`optax.ApplyIfFiniteState`",
+  "optax_lamb.ScaleByTrustRatioState": "{py:obj}`optax.ScaleByTrustRatioState` (which keeps no ratios)",
 }
 
 
@@ -363,9 +439,32 @@ def api_summary(api_page: str) -> str:
   )
 
 
-def _blocks(root: str) -> dict[str, dict[str, str]]:
-  """File -> block name -> its content, rendered now from the committed results."""
+# The step's traffic sentences: these implementations, as each file names them.
+_TRAFFIC = ("optax.lamb", "optax_lamb.lamb", "update_and_apply")
+
+
+def benchmark_blocks(root: str) -> dict[str, dict[str, str]]:
+  """File -> block name -> its content, from the committed benchmark results (a few seconds)."""
   results = os.path.join(root, "benchmarks", "results")
+  gpu = os.path.basename(_latest_gpu_file(results))
+  return {
+    "README.md": {
+      "headline figures": headline(results),
+      "memory": memory(results, full=False),
+    },
+    os.path.join("docs", "memory.md"): {"memory": memory(results, full=True)},
+    os.path.join("docs", "benchmarks.md"): {
+      "cpu traffic": traffic(results, "cpu-2core.json", "bert-base", _TRAFFIC),
+      "memory": memory(results, full=True),
+    },
+    os.path.join("docs", "KERNELS.md"): {
+      "gpu traffic": traffic(results, gpu, "bert-large", _TRAFFIC)
+    },
+  }
+
+
+def _recipe_blocks(root: str) -> dict[str, dict[str, str]]:
+  """File -> block name -> its content, from the recipe's committed results."""
   study = os.path.join(root, "notebooks", "results", "study.json")
   searched = os.path.join(root, "notebooks", "results", "search.json")
   longer = os.path.join(root, "notebooks", "results", "budget.json")
@@ -374,15 +473,10 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
   quantized = os.path.join(root, "notebooks", "results", "moments8.json")
   return {
     "README.md": {
-      "headline figures": headline(results),
-      "gpu figures": gpu_headline(results),
-      "memory": memory(results, full=False),
       # The README keeps the claim study's table; the steps to a target, the random search, the
       # longer training, the replay and the search past the plateau are docs/recipe.md's.
       "recipe study": study_summary(study),
     },
-    os.path.join("docs", "memory.md"): {"memory": memory(results, full=True)},
-    os.path.join("docs", "benchmarks.md"): {"memory": memory(results, full=True)},
     os.path.join("docs", "recipe.md"): {
       "recipe study": study_report(study),
       "steps to target": steps_to_target(study, table=True),
@@ -395,6 +489,14 @@ def _blocks(root: str) -> dict[str, dict[str, str]]:
   }
 
 
+def _blocks(root: str) -> dict[str, dict[str, str]]:
+  """File -> block name -> its content, rendered now from the committed results."""
+  blocks = benchmark_blocks(root)
+  for name, recipe in _recipe_blocks(root).items():
+    blocks.setdefault(name, {}).update(recipe)
+  return blocks
+
+
 def with_block(text: str, name: str, content: str) -> str:
   """``text`` with the lines between the block's two markers replaced by ``content``."""
   start, end = f"<!-- {name}: python -m docs._render -->", f"<!-- end {name} -->"
@@ -403,13 +505,14 @@ def with_block(text: str, name: str, content: str) -> str:
   return f"{head}{start}\n{content}\n{end}{tail}"
 
 
-def rendered(root: str) -> dict[str, str]:
-  """File -> its text with every block rendered from the committed results."""
+def rendered(root: str, blocks: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+  """File -> its text with every block (or those of `blocks`) rendered from the committed
+  results."""
   out = {}
-  for name, blocks in _blocks(root).items():
+  for name, named in (_blocks(root) if blocks is None else blocks).items():
     with open(os.path.join(root, name)) as f:
       text = f.read()
-    for block, content in blocks.items():
+    for block, content in named.items():
       text = with_block(text, block, content)
     out[name] = text
   return out

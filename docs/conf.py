@@ -27,6 +27,8 @@ extensions = [
   "sphinx.ext.autodoc",
   "sphinx.ext.napoleon",
   "sphinx.ext.mathjax",
+  "sphinx.ext.intersphinx",
+  "sphinx.ext.viewcode",  # [source] links beside the API entries
   # MathJax from a Python package, copied into _static: formulas render without a network.
   "sphinx-mathjax-offline",
 ]
@@ -142,8 +144,15 @@ def setup(app):
   app.connect("autodoc-process-bases", _no_bases)
 
 
-# Broken cross-references fail the build (with -W); references to other packages are not
-# checked (no intersphinx: the build runs offline), those to optax_lamb are.
+# optax and jax names link to their documentation through committed inventories (the build runs
+# offline): docs/_inventories/make_inventories.py writes them with the names these pages mention.
+intersphinx_mapping = {
+  "optax": ("https://optax.readthedocs.io/en/latest/", "_inventories/optax.inv"),
+  "jax": ("https://docs.jax.dev/en/latest/", "_inventories/jax.inv"),
+}
+
+# Broken cross-references fail the build (with -W); references to other packages that the
+# inventories do not hold are not checked, those to optax_lamb are.
 nitpicky = True
 nitpick_ignore_regex = [
   (r"py:.*", r"(optax|jax|jaxlib|numpy|collections|typing|flax|chex)(\..*)?"),

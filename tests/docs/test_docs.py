@@ -8,8 +8,10 @@ preamble defining the names the snippets assume (params, a loss, a batch, a
 mesh); a block that defines ``train_step`` is then called. A block that says
 what it prints (``# prints: ...`` comments: the README's Quickstart) also runs
 alone, without the preamble, and must print exactly that. The README's and the
-pages' rendered blocks equal a fresh ``python -m docs._render``. The site itself
-is built (with warnings as errors) by ``.ci/run``.
+pages' rendered blocks equal a fresh ``python -m docs._render``; every ratio to
+the bandwidth floor that a page states is the committed results' own. The README
+stays at most 120 lines. The site itself is built (with warnings as errors) by
+``.ci/run``.
 """
 
 import contextlib
@@ -159,11 +161,109 @@ def test_a_block_that_says_what_it_prints_runs_alone_and_prints_it(page, number,
   assert out.getvalue().splitlines() == expected, f"{page} block {number}"
 
 
-@pytest.mark.slow  # 30 s: every rendered block from the committed results; CI runs it
-def test_readme_and_recipe_numbers_are_rendered_from_the_committed_results():
+def _render_module():
   spec = importlib.util.spec_from_file_location("_render", os.path.join(ROOT, "docs", "_render.py"))
   render = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(render)
-  for name, text in render.rendered(ROOT).items():
+  return render
+
+
+@pytest.mark.slow  # 30 s: every rendered block from the committed results; CI runs it
+def test_readme_and_recipe_numbers_are_rendered_from_the_committed_results():
+  for name, text in _render_module().rendered(ROOT).items():
     with open(os.path.join(ROOT, name)) as f:
       assert f.read() == text, f"{name}: run python -m docs._render"
+
+
+def test_benchmark_figures_are_rendered_from_the_committed_results():
+  """The README's, memory's, benchmarks' and KERNELS' figures (the fast part of the test above)."""
+  render = _render_module()
+  for name, text in render.rendered(ROOT, render.benchmark_blocks(ROOT)).items():
+    with open(os.path.join(ROOT, name)) as f:
+      assert f.read() == text, f"{name}: run python -m docs._render"
+
+
+def test_readme_is_at_most_120_lines():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    lines = f.read().splitlines()
+  assert len(lines) <= 120, f"README.md: {len(lines)} lines"
+
+
+def _step_reports():
+  """The committed step benchmark files (benchmarks/results/*.json)."""
+  import json
+
+  reports = {}
+  for path in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json"))):
+    with open(path) as f:
+      reports[os.path.basename(path)] = json.load(f)
+  return reports
+
+
+def test_every_stated_floor_ratio_is_the_committed_results_own():
+  """One bandwidth floor: the B/param the results files record (`floor_bytes_per_param`, a single
+  pass over float32 p, g, m, v). A page that names a floor names that one, and each ratio to it
+  ("1.39x the floor") is bytes moved / floor of a committed result, to the digits stated."""
+  reports = _step_reports()
+  floors = {r["floor_bytes_per_param"] for r in reports.values() if "floor_bytes_per_param" in r}
+  assert len(floors) == 1, f"the results files disagree on the floor: {floors}"
+  (floor,) = floors
+  measured = [
+    r["bytes_per_param"] / floor
+    for report in reports.values()
+    for case in report["cases"].values()
+    for r in case["results"].values()
+    if "bytes_per_param" in r
+  ]
+  stated = 0
+  for page in [*PAGES, "CHANGELOG.md"]:
+    with open(os.path.join(ROOT, page)) as f:
+      text = " ".join(f.read().split())  # a sentence may wrap
+    for named in re.findall(r"(\d+) B/param (?:single-pass |one-pass )?floor", text):
+      assert int(named) == floor, f"{page}: a {named} B/param floor (the results': {floor})"
+    for ratio in re.findall(r"(\d+\.\d+)x the (?:\d+ B/param )?(?:single-pass )?floor", text):
+      digits = len(ratio.split(".")[1])
+      assert any(f"{m:.{digits}f}" == ratio for m in measured), f"{page}: {ratio}x the floor"
+      stated += 1
+  assert stated, "no page states a ratio to the floor"
+
+
+def _inventory_names():
+  """The names the committed optax and jax inventories hold (docs/_inventories)."""
+  from sphinx.util.inventory import InventoryFile
+
+  names = set()
+  for path in glob.glob(os.path.join(ROOT, "docs", "_inventories", "*.inv")):
+    with open(path, "rb") as f:
+      inventory = InventoryFile.load(f, "", lambda base, uri: uri)
+    names |= {name for items in dict(inventory).values() for name in items}
+  return names
+
+
+def test_the_committed_inventories_are_what_their_script_writes(tmp_path):
+  spec = importlib.util.spec_from_file_location(
+    "make_inventories", os.path.join(ROOT, "docs", "_inventories", "make_inventories.py")
+  )
+  maker = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(maker)
+  for project in maker.INVENTORIES:
+    maker.write(project, tmp_path / f"{project}.inv")
+    with open(os.path.join(ROOT, "docs", "_inventories", f"{project}.inv"), "rb") as f:
+      assert (tmp_path / f"{project}.inv").read_bytes() == f.read(), f"rerun {spec.origin}"
+
+
+def test_every_optax_and_jax_role_links():
+  """A MyST role naming an optax or jax object (``{py:func}`optax.apply_updates```) is in the
+  committed inventories: the build ignores a missing one (nitpick_ignore), and it would render
+  as plain text."""
+  known = _inventory_names()
+  missing = []
+  for page in PAGES:
+    with open(os.path.join(ROOT, page)) as f:
+      text = f.read()
+    for target in re.findall(
+      r"\{(?:py:)?(?:func|obj|class|meth|mod)\}`~?((?:optax|jax)\.[\w.]+)`", text
+    ):
+      if target not in known:
+        missing.append(f"{page}: {target}")
+  assert not missing, f"not in docs/_inventories (add them to make_inventories.py): {missing}"
