@@ -25,6 +25,8 @@ from optax_lamb.step._update_and_apply import update_and_apply
 
 # flax.serialization saves the static layout as nothing and keeps the target's (see _interop).
 _interop.register_layout_with_flax(RatioLayout)
+# ... and refuses a plain array where an 8-bit moment is expected (see _interop).
+_interop.register_quantized_moment_with_flax(QuantizedMoment)
 
 __version__ = "0.2.0"
 

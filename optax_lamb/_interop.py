@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -74,6 +74,47 @@ def register_layout_with_flax(layout_type: type) -> None:
   serialization.register_serialization_state(
     layout_type, lambda _: {}, lambda target, _: target, override=True
   )
+
+
+def register_quantized_moment_with_flax(moment_type: type) -> None:
+  """Make flax.serialization refuse, with a ValueError naming the path, a checkpoint that holds a
+  plain array where the target has an 8-bit moment (`moment_type`: a float32 moment restored into
+  an 8-bit optimizer's state).
+
+  flax restores every NamedTuple with one handler (its private ``_NamedTuple`` key in
+  ``_STATE_DICT_REGISTRY``, flax 0.12), which reads the checkpoint's value as a dict and failed
+  with "AttributeError: 'numpy.ndarray' object has no attribute 'keys'". The handler is wrapped:
+  that case raises, every other restore is flax's own. Without those names nothing changes.
+  """
+  if importlib.util.find_spec("flax") is None:
+    return
+  try:
+    from flax import serialization
+  except Exception:  # a broken flax install must not break this package
+    return
+  key = getattr(serialization, "_NamedTuple", None)
+  handlers = getattr(serialization, "_STATE_DICT_REGISTRY", {}).get(key)
+  if handlers is None or getattr(handlers[1], "refuses", None) is moment_type:
+    return
+  to_state_dict, from_state_dict = handlers
+
+  def restore(target: Any, state: Any) -> Any:
+    if isinstance(target, moment_type) and not isinstance(state, Mapping):
+      moment: Any = target
+      codes, scales = (jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype) for x in moment)
+      dtype = getattr(state, "dtype", type(state).__name__)
+      found = f"an array of shape {jax.numpy.shape(state)} and dtype {dtype}"
+      where = serialization.current_path().removeprefix("./")
+      raise ValueError(
+        f"flax.serialization: the checkpoint holds {found} at {where} where the target state "
+        f"has an 8-bit moment (QuantizedMoment: codes {codes.dtype} of shape {codes.shape}, "
+        f"scales {scales.dtype} of shape {scales.shape}). The checkpoint was saved by an "
+        "optimizer with other mu_dtype/nu_dtype: restore it into that optimizer's init(params)."
+      )
+    return from_state_dict(target, state)
+
+  restore.refuses = moment_type  # type: ignore[attr-defined]  # registered once per type
+  serialization.register_serialization_state(key, to_state_dict, restore, override=True)
 
 
 def check_host_memory(who: str) -> None:

@@ -71,8 +71,9 @@ def onnxruntime_lamb(
   ``update(..., grad_scale=s)``; the gradient norm is computed here (ORT's trainer
   feeds the global norm of all gradients; ``max_norm_clip=None`` is ORT without
   that input: no clip); ``do_update`` is ``update(..., do_update=flag)``: a false
-  flag (a bool or a scalar array) leaves everything as it was, step count included,
-  and gives zero updates.
+  flag (a bool, or a 0-d boolean or number array: zero is false) leaves everything as it
+  was, step count included, and gives zero updates; another value (a str, a non-scalar)
+  raises before anything runs.
 
   Decisions: ``lambda`` is a Python keyword, spelled ``lambda_coef`` as ORT's own
   Python ``LambConfig`` spells it; a per-weight lambda is ``weight_decay_mask``
@@ -101,6 +102,11 @@ def onnxruntime_lamb(
     ratio_min: lower bound of the trust ratio (``-inf``: none).
     ratio_max: upper bound of the trust ratio (``inf``: none), >= 0.
     do_bias_correction: 1 (True) or 0 (False): divide the moments by 1 - alpha^t, 1 - beta^t.
+      ORT's spelling (an int) or a bool, a NumPy or jax 0-d integer or boolean array; a
+      concrete value picks one step, fixed when built. A traced one (``optax.inject_hyperparams``
+      keeps an int, not a bool, in its state, traced under ``jax.jit``) is read as a number at
+      each step: nonzero corrects (``lax.cond`` between the two steps, both compiled; its value
+      cannot be checked for {0, 1} there). A bool stays static under ``inject_hyperparams``.
     loss_scale: ORT's loss scale input: the gradients are divided by it (a number > 0, an
       array or a schedule; lamb's ``grad_scale``, which cannot be given as well).
     weight_decay_mask: True where a weight has ``lambda_coef``, False where its lambda is 0
@@ -136,10 +142,7 @@ def onnxruntime_lamb(
   _check_args.check_in_unit_interval("beta", beta)
   _check_args.check_non_negative("lambda_coef", lambda_coef)
   _check_args.check_positive("epsilon", epsilon)  # 0 is refused by the core (0 / 0 where g = 0)
-  if not (isinstance(do_bias_correction, (bool, int, np.integer)) and do_bias_correction in (0, 1)):
-    raise RuntimeError(
-      f"do_bias_correction must be either 0 or 1, got do_bias_correction={do_bias_correction!r}"
-    )
+  bias_correction = _bias_correction(do_bias_correction)
   _common.check_mask("weight_decay_mask", weight_decay_mask)
   clip = _max_norm_clip(max_norm_clip)
   min_ratio, max_ratio = _ratio_bounds(ratio_min, ratio_max)
@@ -152,7 +155,7 @@ def onnxruntime_lamb(
       )
   options = _common.lamb_options(locals())
   options["grad_scale"] = grad_scale if loss_scale is None else loss_scale
-  tx = build(
+  make = lambda bias_correction: build(
     **_common.build_args(
       learning_rate=lr,
       learning_rate_name="lr",
@@ -161,7 +164,7 @@ def onnxruntime_lamb(
       eps=epsilon,
       weight_decay=lambda_coef,
       mask=_common.named_mask("weight_decay_mask", weight_decay_mask),
-      bias_correction=bool(do_bias_correction),
+      bias_correction=bias_correction,
       min_trust_ratio=min_ratio,
       max_trust_ratio=max_ratio,
       finite_guard=True,
@@ -169,7 +172,38 @@ def onnxruntime_lamb(
       lamb_options=options,
     )
   )
-  return _with_do_update(tx)
+  if isinstance(bias_correction, bool):
+    return _with_do_update(make(bias_correction))
+  return _with_do_update(_switched(bias_correction, make(True), make(False)))
+
+
+def _bias_correction(flag: Any) -> bool | jax.Array:
+  """ORT's do_bias_correction attribute: 0 or 1 (an int, a bool, a 0-d integer or boolean array)
+  as a bool; a traced one (``optax.inject_hyperparams`` keeps an int in its state, traced under
+  ``jax.jit``) as the predicate of `_switched`, nonzero meaning 1 (its value is unknown here)."""
+  dtype = _checks.dtype_of(flag)
+  if np.ndim(flag) == 0 and (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer)):
+    if isinstance(flag, jax.core.Tracer):
+      return flag != 0
+    if int(flag) in (0, 1):
+      return bool(flag)
+  raise RuntimeError(
+    "do_bias_correction must be either 0 or 1 (an int, a bool or a 0-d integer or boolean array), "
+    f"got do_bias_correction={flag!r}"
+  )
+
+
+def _switched(
+  on: jax.Array, corrected: Any, uncorrected: Any
+) -> optax.GradientTransformationExtraArgs:
+  """`corrected`'s step where the traced flag `on` is true, else `uncorrected`'s (one state
+  layout: bias correction only changes the step's formula), chosen at run time by ``lax.cond``."""
+
+  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+    step = lambda tx: lambda: tx.update(updates, state, params, **extra_args)
+    return jax.lax.cond(on, step(corrected), step(uncorrected))
+
+  return optax.GradientTransformationExtraArgs(corrected.init, update_fn)
 
 
 def _max_norm_clip(max_norm_clip: Any) -> Any:
@@ -239,9 +273,8 @@ def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
       return tx.update(updates, state, params, **extra_args)
     if isinstance(do_update, (bool, np.bool_)):  # False: nothing runs
       return jax.tree.map(jnp.zeros_like, updates if params is None else params), state
+    _check_do_update(do_update)
     take = jnp.asarray(do_update) != 0
-    if jnp.ndim(take) != 0:
-      raise ValueError(f"do_update must be a bool or a scalar, got shape {jnp.shape(take)}")
     new_updates, new_state = tx.update(updates, state, params, **extra_args)
     keep = lambda new, old: jnp.where(take, new, old)
     new_updates = jax.tree.map(lambda u: keep(u, jnp.zeros_like(u)), new_updates)
@@ -250,3 +283,20 @@ def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
   if isinstance(tx, FusableTransformation):  # update_and_apply passes no do_update
     return FusableTransformation(tx.init, update_fn, tx.fused_apply)
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _check_do_update(do_update: Any) -> None:
+  """ORT's do_update input: a bool or a 0-d boolean or number array (nonzero: step)."""
+  dtype = _checks.dtype_of(do_update)
+  if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)) or jnp.issubdtype(
+    dtype, jnp.complexfloating
+  ):
+    raise TypeError(
+      "do_update must be a bool or a 0-d boolean or number array (nonzero: the step runs), got "
+      f"do_update={do_update!r}"
+    )
+  if np.ndim(do_update) != 0:
+    raise ValueError(
+      f"do_update must be a bool or a 0-d array, got do_update={do_update!r} of shape "
+      f"{np.shape(do_update)}"
+    )

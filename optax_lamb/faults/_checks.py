@@ -220,7 +220,10 @@ def find_states(opt_state: Any, state_type: type | tuple[type, ...], missing: st
 
 def _peak(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(max |g|, whether g holds a NaN), in one reduction: XLA:CPU hands a lone max to a library
-  that reads its input from memory, g's |.| written out first."""
+  that reads its input from memory, g's |.| written out first. The check is not differentiated
+  (it only feeds the step's decision): jax's derivative of a variadic reduce with a boolean
+  operand fails (a symbolic zero tangent), so g's tangent is stopped here."""
+  g = jax.lax.stop_gradient(g)
   axes = tuple(range(g.ndim))
   init = (jnp.zeros((), g.dtype), jnp.zeros((), jnp.bool_))
   combine = lambda a, b: (jnp.maximum(a[0], b[0]), jnp.logical_or(a[1], b[1]))

@@ -95,7 +95,9 @@ def lamb(
       they run in Pallas interpret mode, slowly), ``"reference"`` (the plain chain
       of stages, slower), or a configured backend object such as
       ``optax_lamb.backends.pallas_triton.PallasTritonBackend(block_sizes=...)``.
-      Same values and state.
+      Same values and state. ``"pallas"`` is a permanent alias of exactly one backend,
+      ``"pallas_triton"`` (not deprecated: no warning); a later GPU backend (Mosaic GPU)
+      takes a name of its own.
     skip_nonfinite: skip a step whose (unscaled) gradients hold a NaN or an Inf:
       zero updates, state unchanged, counted (:func:`optax_lamb.skip_counts`).
     grad_scale: divide the gradients by this loss scale before anything else: a

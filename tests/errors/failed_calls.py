@@ -5,8 +5,9 @@ NumPy generator), the error and message it must raise, and the ways it is made
 (``update``, jitted ``update``, ``update_and_apply``). The cases are listed by
 the error modules they belong to: bad trees and gradients
 (`test_bad_trees.py`), a state from another optimizer or params
-(`test_bad_state.py`), per-leaf options that do not fit (`test_bad_per_leaf_options.py`)
-and a bad ``grad_scale`` at update (`test_bad_arguments.py`).
+(`test_bad_state.py`), per-leaf options that do not fit (`test_bad_per_leaf_options.py`),
+a bad ``grad_scale`` at update (`test_bad_arguments.py`) and a bad ``do_update`` of
+``compat.onnxruntime_lamb``.
 """
 
 from __future__ import annotations
@@ -183,6 +184,26 @@ def _bad_grad_scale(options: str, value):
   return FailedCall(setup, error, rf"grad_scale must be .*got grad_scale={re.escape(repr(value))}$")
 
 
+# ------------------------------------------------ a bad do_update of compat.onnxruntime_lamb
+
+BAD_DO_UPDATES = {"no": TypeError, 1 + 2j: TypeError, (True, False): ValueError}
+
+
+def _bad_do_update(value, error) -> FailedCall:
+  """ORT's do_update input given what is neither a bool nor a 0-d boolean or number array."""
+
+  def setup(rng):
+    tx = optax_lamb.compat.onnxruntime_lamb(1e-2, implementation="xla")
+    update = jax.jit(tx.update)
+    params = random_tree(rng, TREE_SHAPES)
+    _, state = update(random_like(rng, params), tx.init(params), params)
+    grads = random_like(rng, params)
+    return Setup(tx, state, params, grads, {"do_update": value}, _resumer(update, grads, params))
+
+  match = rf"do_update must be a bool or a .*got do_update={re.escape(repr(value))}"
+  return FailedCall(setup, error, match, ("update", "jit"))
+
+
 # ------------------------------------------------------------- a state that does not fit
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 10)
@@ -333,6 +354,8 @@ FAILED_CALLS = {
     r"grad_scale must be a finite number > 0, got grad_scale=-2.0"),
   **{f"grad_scale={value!r} at update ({options})": _bad_grad_scale(options, value)
      for value in (float("nan"), float("inf"), 0.0, "2") for options in GRAD_SCALE_OPTIONS},
+  **{f"do_update={value!r}": _bad_do_update(value, error)
+     for value, error in BAD_DO_UPDATES.items()},
   **{f"state: {case}": _foreign_state(case) for case in FOREIGN_STATES},
   **{f"per-leaf {case} ({impl})": _bad_per_leaf(case, impl)
      for case in BAD_PER_LEAF for impl in ("xla", "reference")},

@@ -12,6 +12,7 @@ under jit) and schedules stay accepted. A bad ``grad_scale`` at update: `failed_
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ import optax
 import pytest
 
 import optax_lamb
+from optax_lamb import compat
 
 NAN, INF = float("nan"), float("inf")
 lamb = functools.partial(optax_lamb.lamb, 1e-3)
@@ -324,3 +326,56 @@ def test_inject_hyperparams_reports_a_bad_value_by_name():
 def test_bad_options(kwargs, error, match):
   with pytest.raises(error, match=match):
     optax_lamb.lamb(1e-2, **kwargs)
+
+
+# ------------------------------------------ compat.onnxruntime_lamb's do_bias_correction
+
+ORT_SPELLINGS = [1, 0, True, False, np.int64(1), np.int32(0), np.bool_(True), jnp.asarray(1),
+                 jnp.asarray(0, jnp.int8), jnp.asarray(True)]  # fmt: skip
+
+
+def _ort_steps(tx, params, grads, update=None, steps=2):
+  """The updates of the last of `steps` steps (the gradients scaled differently each step)."""
+  update = update or tx.update
+  state = tx.init(params)
+  for step in range(steps):
+    scaled = jax.tree.map(lambda g, k=1 + step: g * k, grads)
+    updates, state = update(scaled, state, params)
+  return updates
+
+
+def _ort(**kwargs):  # with weight decay, bias correction changes the direction, not only its scale
+  return compat.onnxruntime_lamb(0.1, lambda_coef=0.5, **kwargs)
+
+
+@pytest.mark.parametrize("flag", ORT_SPELLINGS, ids=repr)
+def test_onnxruntime_do_bias_correction_takes_ort_spellings(flag):
+  """0/1 (ONNX Runtime's own spelling, an int attribute), bools and 0-d integer or boolean arrays
+  build the same step as the bool; directly and through inject_hyperparams, which keeps an int
+  (not a bool) as an array in its state, traced under jit."""
+  params, grads = params_and_grads()
+  on = bool(flag)
+  want = _ort_steps(_ort(do_bias_correction=on), params, grads)
+  other = _ort_steps(_ort(do_bias_correction=not on), params, grads)
+  got = _ort_steps(_ort(do_bias_correction=flag), params, grads)
+  chex.assert_trees_all_equal(got, want)
+  inject = lambda flag: optax.inject_hyperparams(compat.onnxruntime_lamb)(
+    lr=0.1, lambda_coef=0.5, do_bias_correction=flag
+  )  # its hyper-parameters as arrays: the same step as a bool flag's (which it keeps static)
+  injected, static = inject(flag), inject(on)
+  for jit in (False, True):
+    update = jax.jit(injected.update) if jit else injected.update
+    got = _ort_steps(injected, params, grads, update)
+    expected = _ort_steps(static, params, grads, jax.jit(static.update) if jit else None)
+    chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(got["w"], other["w"], rtol=1e-3)  # the flag chose the step
+
+
+@pytest.mark.parametrize(
+  "flag", [2, -1, 1.0, "1", None, jnp.asarray(2), jnp.ones(2, jnp.int32), jnp.asarray(1.0)],
+  ids=repr,
+)  # fmt: skip
+def test_onnxruntime_do_bias_correction_outside_0_and_1_is_refused_naming_it(flag):
+  shown = re.escape(f"do_bias_correction={flag!r}")
+  with pytest.raises(RuntimeError, match=rf"do_bias_correction must be either 0 or 1.*{shown}"):
+    compat.onnxruntime_lamb(0.1, do_bias_correction=flag)

@@ -141,3 +141,45 @@ def test_states_that_fit_are_accepted():
   assert optax_lamb.trust_ratios(s1)["w"].shape == (3,)
   masked = optax.masked(lamb(), {"w": True, "b": False})
   jax.jit(masked.update)(ones_like(params), masked.init(params), params)
+
+
+MOMENT_KINDS = {
+  "float32": {},
+  "bfloat16": {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16},
+  "8-bit": {"mu_dtype": jnp.int8, "nu_dtype": jnp.uint8},
+}
+FLAX_RESTORES = {
+  "from_bytes": lambda target, s: serialization.from_bytes(target, serialization.to_bytes(s)),
+  "from_state_dict": lambda target, s: serialization.from_state_dict(
+    target, serialization.to_state_dict(s)
+  ),
+}
+
+
+@pytest.mark.parametrize("restore", FLAX_RESTORES)
+@pytest.mark.parametrize("saved", MOMENT_KINDS)
+@pytest.mark.parametrize("into", MOMENT_KINDS)
+def test_flax_restore_into_other_moment_dtypes_names_the_mismatch(into, saved, restore):
+  """A state saved with one kind of moments restored through flax.serialization into the state of
+  an optimizer with another: a ValueError naming the moment's path, at the restore where the
+  target has 8-bit moments (flax itself failed there with an AttributeError), else at the first
+  update; the target is left as it was. The same kinds restore bit for bit."""
+  params = params_of({"w": (16, 512), "b": (3,)})  # w quantized (8,192 elements), b not
+  saved_tx, tx = lamb(**MOMENT_KINDS[saved]), lamb(**MOMENT_KINDS[into])
+  _, state = saved_tx.update(ones_like(params), saved_tx.init(params), params)
+  target = tx.init(params)
+  if saved == into:
+    assert_trees_equal(FLAX_RESTORES[restore](target, state), state)
+    return
+  if into == "8-bit":
+    match = (
+      r"checkpoint holds an array of shape \(16, 512\) and dtype " + saved + r" at 1/mu/w where "
+      r"the target state has an 8-bit moment \(QuantizedMoment: codes int8 of shape \(16, 512\)"
+    )
+    with pytest.raises(ValueError, match=match):
+      FLAX_RESTORES[restore](target, state)
+  else:
+    restored = FLAX_RESTORES[restore](target, state)
+    with pytest.raises(ValueError, match=r"state\[1\]\.mu\['(w|b)'\] (is|has) "):
+      tx.update(ones_like(params), restored, params)
+  assert_trees_equal(target, tx.init(params))

@@ -71,13 +71,20 @@ class BlockSizes:
   xla_pass2_min_size: int = 1 << 16
 
   def __post_init__(self) -> None:
+    for field in dataclasses.fields(self):  # a Python int each (a bool is refused, not read as 1)
+      value = getattr(self, field.name)
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+          f"BlockSizes: {field.name}={value!r} must be an int, not a {type(value).__name__}"
+        )
     for name in ("block", "num_warps", "sum_block"):
       if not _is_power_of_two(getattr(self, name)):
-        raise ValueError(f"{name}={getattr(self, name)} must be a power of two (Triton shapes)")
+        raise ValueError(
+          f"BlockSizes: {name}={getattr(self, name)} must be a power of two (Triton shapes)"
+        )
     for name, low in (("max_leaves_per_call", 1), ("num_stages", 1), ("xla_pass2_min_size", 0)):
-      value = getattr(self, name)
-      if not (isinstance(value, int) and value >= low):
-        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+      if getattr(self, name) < low:
+        raise ValueError(f"BlockSizes: {name}={getattr(self, name)!r} must be an int >= {low}")
 
 
 # ------------------------------------------------------------------------- chunk tables

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb.backends import per_device
+from optax_lamb.backends import fields, per_device
 from optax_lamb.backends.pallas_triton import common, operands, pass1, pass2, slice_sums
 from optax_lamb.backends.pallas_triton.common import BlockSizes
 from optax_lamb.core import _options, _ratios
@@ -74,6 +74,10 @@ class PallasTritonBackend:
   differentiable = False  # a pallas_call with aliased buffers: the XLA step's derivatives
   block_sizes: BlockSizes = BlockSizes()
   interpret: bool | None = None
+
+  def __post_init__(self) -> None:
+    fields.check_instance("PallasTritonBackend", "block_sizes", self.block_sizes, BlockSizes)
+    fields.check_optional_bool("PallasTritonBackend", "interpret", self.interpret)
 
   def runs_interpreted(self) -> bool:
     if self.interpret is not None:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lamb.backends import fields
 from optax_lamb.backends.xla import _chunked_sums
 from optax_lamb.core import _leaf, _moment_storage, _ratios
 from optax_lamb.core._options import RatioLayout
@@ -62,6 +63,11 @@ class XlaBackend:
   materialize_u_max_size: int = 1 << 12
   joint_small_sums: bool | None = None
   chunked_sums: int | None = None
+
+  def __post_init__(self) -> None:
+    fields.check_size("XlaBackend", "materialize_u_max_size", self.materialize_u_max_size)
+    fields.check_optional_bool("XlaBackend", "joint_small_sums", self.joint_small_sums)
+    fields.check_size("XlaBackend", "chunked_sums", self.chunked_sums, optional=True)
 
   def auto_reason(self) -> str | None:
     return None
