@@ -20,10 +20,12 @@ import sys
 
 from optax_lamb_recipes.pretrain import checkpoint, config, optim
 
+PROG = "python -m optax_lamb_recipes.pretrain"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-    prog="python -m optax_lamb_recipes.pretrain",
+    prog=PROG,
     description=__doc__.split("\n")[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -84,9 +86,26 @@ def join_cluster(args: argparse.Namespace) -> bool:
   return True
 
 
+def checked_config(args: argparse.Namespace) -> config.RunConfig:
+  """``run_config`` validated, the optimizer and its arguments included (nothing compiled)."""
+  cfg = config.validate(run_config(args))
+  if cfg.opt not in optim.NAMES:
+    raise ValueError(f"opt={cfg.opt!r}: one of {', '.join(optim.NAMES)}")
+  try:
+    optim.build(cfg.opt, cfg.phases[0].phase().schedule(), dict(cfg.opt_args))
+  except (TypeError, ValueError) as e:
+    given = " ".join(f"{k}={v!r}" for k, v in cfg.opt_args)
+    raise ValueError(f"--opt {cfg.opt} --opt-arg {given}: {e}") from None
+  return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
-  cfg = run_config(args)
+  try:
+    cfg = checked_config(args)
+  except ValueError as e:  # argparse's way: one line on stderr, exit status 2, nothing written
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 2
   distributed = join_cluster(args)
   from optax_lamb_recipes.pretrain import run
 

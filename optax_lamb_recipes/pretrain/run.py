@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lamb_recipes.data import num_predictions
-from optax_lamb_recipes.pretrain import checkpoint, metrics, optim, step
+from optax_lamb_recipes.pretrain import checkpoint, config, metrics, optim, step
 from optax_lamb_recipes.pretrain import data as data_lib
 from optax_lamb_recipes.pretrain import model as model_lib
 from optax_lamb_recipes.pretrain.config import RunConfig
@@ -65,13 +65,25 @@ class _Run:
 
 
 def build(cfg: RunConfig, opts: Options) -> _Run:
-  """The corpus, the mesh, the model and one jitted step per phase."""
-  corpus = data_lib.load_corpus(opts.corpus, opts.vocab, opts.vocab_size, opts.out)
+  """The corpus, the mesh, the model and one jitted step per phase.
+
+  Every check comes first: the settings, an earlier run's checkpoint in ``opts.out`` (its
+  configuration, then its corpus), the batch's split over the devices; nothing is written to
+  ``opts.out`` or compiled before they pass.
+  """
+  config.validate(cfg)
+  ckpt_dir = os.path.join(opts.out, "checkpoints")
+  previous = checkpoint.latest_meta(ckpt_dir)
+  if previous is not None:
+    checkpoint.check_resumable(previous, cfg.to_json())
   mesh = step.make_mesh(opts.devices)
+  for p in cfg.phases:
+    p.accumulation(mesh.size)
+  corpus = data_lib.load_corpus(opts.corpus, opts.vocab, opts.vocab_size, opts.out)
+  if previous is not None:
+    checkpoint.check_resumable(previous, cfg.to_json(), corpus.fingerprint)
   rule = step.sharding_rule(mesh, cfg.fsdp)
   model_cfg = model_lib.bert_config(cfg.model, corpus.model_vocab)
-  if max(p.seq_len for p in cfg.phases) > model_cfg.max_len:
-    raise ValueError(f"sequences longer than the model's {model_cfg.max_len} positions")
   model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule)
   args = dict(cfg.opt_args)
   schedules = [p.phase().schedule() for p in cfg.phases]
@@ -81,7 +93,7 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
     step.make_step(model, tx, sched, mesh, rule, ratios)
     for tx, sched in zip(txs, schedules, strict=True)
   ]
-  ckpt = checkpoint.Checkpoints(os.path.join(opts.out, "checkpoints"))
+  ckpt = checkpoint.Checkpoints(ckpt_dir)
   kind = mesh.devices.flat[0].device_kind
   return _Run(
     cfg,
@@ -105,7 +117,7 @@ def start_state(run: _Run) -> tuple[int, int, Any, Any]:
   phase = int(np.searchsorted(run.ends, done))  # a phase's last step belongs to it
   target = {"params": run.model.abstract, "opt_state": run.steps[phase].state_abstract}
   state, meta = run.ckpt.restore(target, done)
-  checkpoint.check_resumable(meta, run.cfg.to_json(), run.corpus.fingerprint)
+  checkpoint.check_resumable(meta, run.cfg.to_json(), run.corpus.fingerprint)  # checked in build
   return done, phase, state["params"], state["opt_state"]
 
 
