@@ -36,7 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--vocab", help="a WordPiece vocabulary: tokenizers JSON or BERT vocab.txt "
                  "(default: the recipe's for the default corpus, else one trained on --corpus)")  # fmt: skip
   p.add_argument("--vocab-size", type=int, default=2048, help="of a vocabulary trained here")
-  p.add_argument("--opt", choices=optim.NAMES, help="the optimizer (default: the preset's)")
+  p.add_argument("--vocab-case", choices=("auto", "cased", "uncased"), default="auto",
+                 help="auto: a vocab.txt with capitals is cased, a JSON keeps its normalizer")  # fmt: skip
+  p.add_argument("--opt", choices=optim.NAMES, help="the optimizer (default: the preset's); "
+                 "adamw gets its own learning rates (config.ADAMW_LRS), the LAMBs LAMB's")  # fmt: skip
   p.add_argument("--opt-arg", action="append", metavar="KEY=VALUE",
                  help="an optimizer keyword argument, a Python literal (repeat)")  # fmt: skip
   p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -63,13 +66,16 @@ def _env_int(name: str) -> int | None:
 def run_config(args: argparse.Namespace) -> config.RunConfig:
   """The preset with the command line's changes."""
   pairs = config.parse_pairs(args.set)
+  opt = args.opt
+  for key, value in pairs:  # --set opt=NAME: as --opt (it picks the learning rates)
+    if key == "opt":
+      opt = value
+  pairs = [(k, v) for k, v in pairs if k != "opt"]
   if args.fsdp:
     pairs.append(("fsdp", True))
-  if args.opt is not None:
-    pairs.append(("opt", args.opt))
   if args.opt_arg:
     pairs.append(("opt_args", tuple(config.parse_pairs(args.opt_arg))))
-  return config.override(config.PRESETS[args.preset], pairs)
+  return config.override(config.preset(args.preset, opt), pairs)
 
 
 def join_cluster(args: argparse.Namespace) -> bool:
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus=args.corpus,
     vocab=args.vocab,
     vocab_size=args.vocab_size,
+    vocab_case=args.vocab_case,
     peak_tflops=args.peak_tflops,
     progress=not args.no_progress,
     kill_at=kill_at,

@@ -29,9 +29,9 @@ from optax_lamb_recipes.pretrain import model as model_lib
 
 def bench_config(preset: str, opt: str, n_devices: int, pairs) -> config.RunConfig:
   """Phase 1 of ``preset`` at one micro-batch per device, with ``opt``."""
-  cfg = config.PRESETS[preset]
+  cfg = config.preset(preset, opt)
   micro = cfg.phases[0].micro_batch
-  base = [("phases", 1), ("phase1.batch", micro * n_devices), ("opt", opt)]
+  base = [("phases", 1), ("phase1.batch", micro * n_devices)]
   return config.override(cfg, base + list(pairs))
 
 

@@ -15,6 +15,9 @@ import math
 from typing import Any
 
 from optax_lamb_recipes import schedules
+from optax_lamb_recipes.presets import PRESETS as _SWEEPS
+
+_QUICK = _SWEEPS["quick"]  # the laptop recipe's tiny-BERT sweep (its AdamW pilot)
 
 DTYPES = ("bfloat16", "float32")  # compute dtypes
 
@@ -122,6 +125,37 @@ PRESETS = {
   ),
   "large": RunConfig(model="large", phases=PAPER_64K_32K, checkpoint_every=200),
 }
+
+
+# AdamW's own peak learning rates (LAMB's above are 10x or more what AdamW trains at), one
+# (lr, batch at which it holds) per phase; another batch moves it by the square-root rule too.
+# smoke: the laptop recipe's pilot for this tiny BERT on the KJV at length 32 (best of 5e-4 to
+# 4e-3 at batch 16: ``presets.PRESETS["quick"].adamw_lr``), both phases. base and large:
+# RoBERTa's peaks for models of these sizes (Liu et al. 2019, Table 9: 6e-4 and 4e-4, batch 8K)
+# at the preset's batch as they are (nobody published AdamW at 64K; not tuned here), and phase 2
+# at 2/3 of phase 1 as NVIDIA's LAMB recipe (4e-3 after 6e-3).
+ADAMW_LRS = {
+  "smoke": ((_QUICK.adamw_lr, min(_QUICK.batches)), (_QUICK.adamw_lr, min(_QUICK.batches))),
+  "base": ((6e-4, None), (4e-4, None)),
+  "large": ((4e-4, None), (4e-4 * 2 / 3, None)),
+}
+
+
+def preset(name: str, opt: str | None = None) -> RunConfig:
+  """The preset ``name`` for optimizer ``opt`` (default: the preset's): AdamW gets its own
+  learning rates (``ADAMW_LRS``), the LAMBs (``lamb`` and every ``compat`` one) LAMB's."""
+  if name not in PRESETS:
+    raise ValueError(f"preset={name!r}: one of {sorted(PRESETS)}")
+  cfg = PRESETS[name]
+  if opt is None or opt == cfg.opt:
+    return cfg
+  phases = cfg.phases
+  if opt == "adamw":
+    phases = tuple(
+      dataclasses.replace(p, lr=lr, lr_batch=at or p.batch)
+      for p, (lr, at) in zip(phases, ADAMW_LRS[name], strict=True)
+    )
+  return dataclasses.replace(cfg, opt=opt, phases=phases)
 
 
 def parse_value(text: str) -> Any:

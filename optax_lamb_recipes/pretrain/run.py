@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import time
@@ -27,6 +28,7 @@ class Options:
   corpus: list[str] | None = None  # text files; None: the King James Bible
   vocab: str | None = None  # a tokenizers JSON or a vocab.txt; None: see data.load_tokenizer
   vocab_size: int = 2048  # of a tokenizer trained on ``corpus``
+  vocab_case: str = "auto"  # see data.load_tokenizer
   peak_tflops: float | None = None  # per device; None: metrics.PEAK_TFLOPS, else no MFU
   progress: bool = True
   devices: list | None = None  # None: every device of every process
@@ -79,7 +81,9 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
   mesh = step.make_mesh(opts.devices)
   for p in cfg.phases:
     p.accumulation(mesh.size)
-  corpus = data_lib.load_corpus(opts.corpus, opts.vocab, opts.vocab_size, opts.out)
+  corpus = data_lib.load_corpus(
+    opts.corpus, opts.vocab, opts.vocab_size, opts.out, case=opts.vocab_case
+  )
   if previous is not None:
     checkpoint.check_resumable(previous, cfg.to_json(), corpus.fingerprint)
   rule = step.sharding_rule(mesh, cfg.fsdp)
@@ -175,7 +179,8 @@ def _phase(run: _Run, p: int, params, opt_state, done: int, terminate) -> tuple:
         values = window.summary(run, raw, phase, flops)
         run.logger.log(done, p, values)
       if done % cfg.checkpoint_every == 0:
-        run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
+        with window.excluded("checkpoint_s", params):
+          run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
       _rehearse_kill(run.opts.kill_at, done)
       if (logged or not multi) and terminate.requested():
         run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
@@ -186,12 +191,24 @@ def _phase(run: _Run, p: int, params, opt_state, done: int, terminate) -> tuple:
 
 class _Window:
   """Throughput over the steps since the last log line (a phase's first step, which compiles,
-  is left out)."""
+  is left out), and the time of what is not training (checkpoint saves), which is kept out."""
 
   def __init__(self) -> None:
     self.started = False
     self.steps = 0
     self.since = 0.0
+    self.other: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def excluded(self, name: str, ready):
+    """Time the block as ``name``, not as training: ``ready`` (the step's output) is waited
+    for first, so the step's own compute is not counted as the block's."""
+    jax.block_until_ready(ready)
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.other[name] = self.other.get(name, 0.0) + time.perf_counter() - start
 
   def add(self, raw) -> None:
     if not self.started:
@@ -203,14 +220,18 @@ class _Window:
   def summary(self, run: _Run, raw, phase, flops: float) -> dict[str, float]:
     raw = jax.device_get(raw)
     now = time.perf_counter()
-    seconds = max(now - self.since, 1e-9)
+    other = {k: v for k, v in self.other.items() if self.started}
+    seconds = max(now - self.since - sum(other.values()), 1e-9)
     values = metrics.summarize(
       raw, tokens=self.steps * phase.batch * phase.seq_len, seconds=seconds,
       flops=self.steps * flops, devices=run.mesh.size, peak=run.peak,
     )  # fmt: skip
     if self.steps == 0:  # nothing timed yet
       values = {k: v for k, v in values.items() if k not in ("tokens_per_s_per_device", "mfu")}
-    self.steps, self.since = 0, now
+    else:
+      values["step_s"] = seconds / self.steps
+    values.update(other)
+    self.steps, self.since, self.other = 0, now, {}
     return values
 
 
