@@ -114,9 +114,13 @@ def make_step(
   p_sh = model.shardings
   batch_sh = NamedSharding(mesh, P(None, AXIS))  # [micro-batches, batch, ...]
   decayed = np.asarray(jax.tree.leaves(train.decay_mask(model.abstract)))
+  replicated = all(a.sharding.is_fully_replicated for a in jax.tree.leaves(model.abstract))
+  local_mesh = mesh if replicated else None  # per-device accumulation needs whole parameters
 
   def update(params, state, batch, t) -> tuple:
-    params, state, metrics = _update(model.graphdef, tx, params, state, batch, decayed, ratios)
+    params, state, metrics = _update(
+      model.graphdef, tx, params, state, batch, decayed, ratios, local_mesh
+    )
     return params, state, {**metrics, "lr": schedule(t)}
 
   update = jax.jit(
@@ -145,8 +149,9 @@ def make_step(
   )
 
 
-def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios: bool) -> tuple:
-  """Accumulate the micro-batches' gradients (float32), then one optimizer step."""
+def _accumulate(graphdef, params, batch: MLMBatch, zero=0.0) -> tuple[Any, jax.Array]:
+  """The mean gradient and loss (float32) over the ``[k, ...]`` micro-batches, one at a time
+  (``zero``: the loss's initial value, of the loss's kind inside ``shard_map``)."""
   grad_fn = jax.value_and_grad(model_lib.loss_fn, argnums=1)
 
   def micro(carry, mb) -> tuple:
@@ -155,12 +160,40 @@ def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios: bool)
     return (jax.tree.map(jnp.add, grads, mb_grads), loss + mb_loss), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), tuple(batch))
+  (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.asarray(zero, jnp.float32)), tuple(batch))
   k = batch.inputs.shape[0]
-  grads = jax.tree.map(lambda g: g / k, grads)
+  return jax.tree.map(lambda g: g / k, grads), loss / k
+
+
+def mean_gradient(graphdef, params, batch: MLMBatch, mesh: Mesh | None) -> tuple[Any, jax.Array]:
+  """The batch's mean gradient and loss with one all-reduce per step: each device accumulates
+  its own micro-batches' gradients (``shard_map``), and their mean is taken once at the end.
+
+  (Under plain ``jit`` the replicated accumulator makes XLA all-reduce every micro-batch's
+  gradient inside the loop: ``k`` reductions a step.) ``mesh`` None (sharded parameters, FSDP):
+  plain ``jit``, XLA's reduce-scatters per micro-batch. Every device holds equally many
+  sequences with equally many masked positions, so the mean of the means is the batch's mean.
+  """
+  if mesh is None or mesh.size == 1:
+    return _accumulate(graphdef, params, batch)
+
+  def local(params, batch):
+    vary = lambda x: jax.lax.pcast(x, AXIS, to="varying")  # noqa: E731
+    params = jax.tree.map(vary, params)  # per device: no reduction in the backward pass
+    grads, loss = _accumulate(graphdef, params, batch, vary(jnp.zeros(())))  # not reduced
+    return jax.lax.pmean((grads, loss), AXIS)  # the one reduction
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P())(
+    params, batch
+  )
+
+
+def _update(graphdef, tx, params, state, batch: MLMBatch, decayed, ratios, mesh) -> tuple:
+  """The mean gradient over the micro-batches (float32), then one optimizer step."""
+  grads, loss = mean_gradient(graphdef, params, batch, mesh)
   updates, state = tx.update(grads, state, params)
   params = optax.apply_updates(params, updates)
-  metrics = {"loss": loss / k, "grad_norm": optax.tree.norm(grads)}
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
   if ratios:  # the weight matrices' ratios (the others are 1 by BERT's rule)
     leaves = jax.tree.leaves(optax_lamb.trust_ratios(state))
     keep = decayed if len(leaves) == len(decayed) else [True] * len(leaves)  # several stages
