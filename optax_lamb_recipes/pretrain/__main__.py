@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--set", action="append", metavar="KEY=VALUE",
                  help="a run setting: seed, dtype, fsdp, log_every, checkpoint_every, phases "
                  "(how many), phaseN.{batch,steps,lr,warmup,micro_batch,seq_len,power} (repeat)")  # fmt: skip
+  p.add_argument("--init-from", metavar="OUT", help="start at phase 2 from the phase-1 "
+                 "checkpoint of another run (its --out); the same command again resumes")  # fmt: skip
   p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state too")
   p.add_argument("--peak-tflops", type=float, help="per device, for MFU (default: a table)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
   opts = run.Options(
     out=args.out or os.path.join("runs", args.preset),
     data=args.data,
+    init_from=args.init_from,
     corpus=args.corpus,
     vocab=args.vocab,
     vocab_size=args.vocab_size,

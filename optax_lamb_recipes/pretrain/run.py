@@ -35,6 +35,7 @@ class Options:
   devices: list | None = None  # None: every device of every process
   kill_at: tuple[int, int] | None = None  # (step, signal): rehearse a preemption after step
   held_out_every: int = 100  # of the data prepared here: every Nth line held out
+  init_from: str | None = None  # another run's --out: start at phase 2 from its phase 1's end
 
 
 EVAL_SEQUENCES = 1024  # held-out sequences per evaluation (at most; the same ones every time)
@@ -70,7 +71,7 @@ class _Run:
 
   @property
   def ends(self) -> list[int]:
-    return list(np.cumsum([p.steps for p in self.cfg.phases]))
+    return [int(e) for e in np.cumsum([p.steps for p in self.cfg.phases])]
 
   def meta(self, done: int, sampler: dict | None = None) -> dict:
     """The checkpoint's JSON: the step, the configuration, the data's fingerprint, and the
@@ -100,6 +101,8 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
     raise Refused(str(e)) from None
   if previous is not None:
     checkpoint.check_resumable(previous, cfg.to_json(), data.fingerprint)
+  elif opts.init_from is not None:
+    _check_phase1_run(cfg, opts.init_from, data.fingerprint)
   rule = step.sharding_rule(mesh, cfg.fsdp)
   model_cfg = model_lib.bert_config(cfg.model, data.model_vocab)
   model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule)
@@ -157,10 +160,42 @@ def _holds(directory: str, lens: list[int]) -> bool:
     return False
 
 
+def _check_phase1_run(cfg: RunConfig, other: str, fingerprint: str) -> None:
+  """Refuse to start phase 2 from ``other`` unless its latest checkpoint ends the same phase 1
+  (model, dtype, optimizer, seed, phase 1's settings) on the same data."""
+  meta = checkpoint.latest_meta(os.path.join(other, "checkpoints"))
+  if meta is None:
+    raise Refused(f"--init-from {other}: no checkpoint in {other}/checkpoints")
+  if len(cfg.phases) < 2:
+    raise Refused(f"--init-from {other}: this run has no phase 2 to start")
+  theirs, ours = meta["config"], cfg.to_json()
+  keys = ("model", "dtype", "opt", "opt_args", "seed")
+  differ = [k for k in keys if theirs.get(k) != ours[k]]
+  if theirs["phases"][0] != ours["phases"][0]:
+    differ.append("phase1")
+  if differ:
+    raise Refused(f"--init-from {other}: its run differs in {differ}")
+  if meta["step"] != cfg.phases[0].steps:
+    raise Refused(f"--init-from {other}: its latest checkpoint is step {meta['step']}, "
+                  f"not phase 1's end ({cfg.phases[0].steps})")  # fmt: skip
+  if meta["corpus"] != fingerprint:
+    raise Refused(f"--init-from {other}: it trained on other data or another vocabulary")
+
+
 def start_state(run: _Run) -> tuple[int, int, Any, Any, dict | None]:
   """``(done, state_phase, params, opt_state, sampler)``: from the latest checkpoint (with the
-  sampler's state if it stopped inside a phase), or fresh."""
+  sampler's state if it stopped inside a phase), else from ``init_from``'s phase 1 (checked by
+  ``build``), else fresh."""
   done = run.ckpt.latest()
+  if done is None and run.opts.init_from is not None:
+    done = run.ends[0]
+    target = {"params": run.model.abstract, "opt_state": run.steps[0].state_abstract}
+    other = checkpoint.Checkpoints(os.path.join(run.opts.init_from, "checkpoints"))
+    try:
+      state, _ = other.restore(target, done)
+    finally:
+      other.manager.close()
+    return done, 0, state["params"], state["opt_state"], None
   if done is None:
     params = run.model.init()
     return 0, 0, params, run.steps[0].init(params), None

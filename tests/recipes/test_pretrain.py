@@ -149,6 +149,29 @@ def test_eight_devices_with_sharded_params_match_one_device(tmp_path, corpus, re
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.slow  # subprocesses: CI runs it (pytest -m slow)
+def test_phase_two_from_another_runs_phase_one(tmp_path, corpus, reference):
+  """Phase 1 alone (phases=1), then phase 2 in another --out from its checkpoint: the same
+  losses and final parameters as the run of both phases, bit for bit; a mismatched phase 1 is
+  refused before anything is written."""
+  first, second = str(tmp_path / "phase1"), str(tmp_path / "phase2")
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", first, "--set", "phases=1")
+  assert done.returncode == 0, done.stdout + done.stderr
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", second, "--init-from", first)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "resuming from step 24" in done.stdout
+  got = {**losses(first), **losses(second)}
+  assert got == losses(reference)
+  step, params = final_params(second)
+  want = final_params(reference)[1]
+  assert step == 32 and all(np.array_equal(a, b) for a, b in zip(params, want, strict=True))
+  other = str(tmp_path / "other")
+  refused = pretrain(*SMALL, "--corpus", corpus, "--out", other, "--init-from", first,
+                     "--set", "phase1.lr=0.001")  # fmt: skip
+  assert refused.returncode == 2 and "phase1" in refused.stderr
+  assert not os.path.exists(os.path.join(other, "checkpoints"))
+
+
 def free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
