@@ -14,7 +14,7 @@ pytest.importorskip("flax")
 pytest.importorskip("orbax.checkpoint")
 
 from optax_lamb_recipes.pretrain import __main__ as cli
-from optax_lamb_recipes.pretrain import checkpoint, config
+from optax_lamb_recipes.pretrain import checkpoint, config, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -129,3 +129,17 @@ def test_the_command_refuses_another_runs_checkpoint(tmp_path):
   assert "the checkpoint's run differs in" in done.stderr and "use another --out" in done.stderr
   assert len(done.stderr) < 2000  # the refusal, not orbax's structure dump
   assert tree_listing(str(tmp_path)) == before
+
+
+def test_data_that_cannot_serve_the_run_is_refused_before_anything_is_written(tmp_path, capsys):
+  out = tmp_path / "run"
+  missing = ["--data", str(tmp_path / "nowhere"), "--out", str(out), "--no-progress"]
+  assert cli.main(missing) == 2
+  assert "no prepared data" in capsys.readouterr().err and not out.exists()
+  prepare.prepare(str(tmp_path / "d"), None, seq_lens=(32,), held_out_every=0)
+  short = ["--data", str(tmp_path / "d"), "--out", str(out), "--no-progress"]  # no length 128
+  assert cli.main(short) == 2
+  assert "--seq-len 128" in capsys.readouterr().err and not out.exists()
+  both = [*short, "--corpus", str(tmp_path / "d" / "index.json"), "--set", "phases=1"]
+  assert cli.main(both) == 2
+  assert "drop --corpus" in capsys.readouterr().err and not out.exists()
