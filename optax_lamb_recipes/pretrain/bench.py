@@ -23,15 +23,14 @@ import optax
 
 from optax_lamb_recipes.data import num_predictions
 from optax_lamb_recipes.pretrain import config, optim, run, step
-from optax_lamb_recipes.pretrain import data as data_lib
 from optax_lamb_recipes.pretrain import model as model_lib
 
 
 def bench_config(preset: str, opt: str, n_devices: int, pairs) -> config.RunConfig:
   """Phase 1 of ``preset`` at one micro-batch per device, with ``opt``."""
-  cfg = config.PRESETS[preset]
+  cfg = config.preset(preset, opt)
   micro = cfg.phases[0].micro_batch
-  base = [("phases", 1), ("phase1.batch", micro * n_devices), ("opt", opt)]
+  base = [("phases", 1), ("phase1.batch", micro * n_devices)]
   return config.override(cfg, base + list(pairs))
 
 
@@ -49,10 +48,10 @@ def measure(cfg: config.RunConfig, steps: int, warmup: int = 2, peak_tflops=None
   with tempfile.TemporaryDirectory() as out:
     built = run.build(cfg, run.Options(out=out, peak_tflops=peak_tflops))
     built.ckpt.close()
-  phase, st, model = cfg.phases[0], built.steps[0], built.model
-  k = phase.accumulation(built.mesh.size)
-  stream = data_lib.Stream(built.corpus, phase.seq_len, phase.batch, cfg.seed, 0)
-  batch = step.global_batch(stream.batch(0), k, st.batch_sharding)
+    phase, st, model = cfg.phases[0], built.steps[0], built.model
+    k = phase.accumulation(built.mesh.size)
+    local, _ = run.Batches(built, 0).next()
+  batch = step.global_batch(local, k, st.batch_sharding, jax.process_index(), jax.process_count())
   box = {"params": model.init()}
   box["state"] = st.init(box["params"])
 

@@ -54,16 +54,37 @@ class Checkpoints:
     self.manager.close()
 
 
-CADENCES = ("log_every", "checkpoint_every")  # may change between restarts
+CADENCES = ("log_every", "checkpoint_every", "eval_every")  # may change between restarts
 
 
-def check_resumable(meta: dict, config: dict, fingerprint: str) -> None:
-  """Refuse a checkpoint written by another configuration or corpus (the curve would differ)."""
+def check_resumable(meta: dict, config: dict, fingerprint: str | None = None) -> None:
+  """Refuse a checkpoint written by another configuration or corpus (the curve would differ);
+  ``fingerprint`` None: the configuration only (checked before the corpus is read)."""
   differ = sorted(k for k in config if k not in CADENCES and meta["config"].get(k) != config[k])
   if differ:
     raise SystemExit(f"the checkpoint's run differs in {differ}; use another --out to start anew")
-  if meta["corpus"] != fingerprint:
+  if fingerprint is not None and meta["corpus"] != fingerprint:
     raise SystemExit("the checkpoint was trained on another corpus or vocabulary")
+
+
+def latest_meta(directory: str) -> dict | None:
+  """The JSON saved with the latest checkpoint in ``directory`` (None: no checkpoint), read
+  without the arrays and without creating anything: a run compares it before restoring, so a
+  checkpoint of another model is refused by name rather than by orbax's structure mismatch."""
+  if not os.path.isdir(directory):
+    return None
+  manager = ocp.CheckpointManager(
+    os.path.abspath(directory),
+    options=ocp.CheckpointManagerOptions(create=False),
+    item_handlers={"meta": ocp.JsonCheckpointHandler()},
+  )
+  try:
+    step = manager.latest_step()
+    if step is None:
+      return None
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  finally:
+    manager.close()
 
 
 class Terminate:

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 from typing import Any
 
 from optax_lamb_recipes import schedules
+from optax_lamb_recipes.presets import PRESETS as _SWEEPS
+
+_QUICK = _SWEEPS["quick"]  # the laptop recipe's tiny-BERT sweep (its AdamW pilot)
+
+DTYPES = ("bfloat16", "float32")  # compute dtypes
 
 # BERT's sizes (Devlin et al. 2019); the vocabulary comes from the tokenizer.
 MODELS = {
@@ -69,6 +75,7 @@ class RunConfig:
   seed: int = 0
   log_every: int = 10
   checkpoint_every: int = 500
+  eval_every: int = 500  # held-out MLM loss and accuracy
   fsdp: bool = False  # shard params and optimizer state over the devices too
 
   @property
@@ -108,6 +115,7 @@ PRESETS = {
     phases=_two_phases(32, 24, 8e-3, 4, 16, 16, 8, 4e-3, 2, 8, seq=(32, 128)),
     log_every=4,
     checkpoint_every=8,
+    eval_every=8,
     dtype="float32",  # the CPU has no fast bf16
   ),
   "base": RunConfig(
@@ -119,11 +127,46 @@ PRESETS = {
 }
 
 
+# AdamW's own peak learning rates (LAMB's above are 10x or more what AdamW trains at), one
+# (lr, batch at which it holds) per phase; another batch moves it by the square-root rule too.
+# smoke: the laptop recipe's pilot for this tiny BERT on the KJV at length 32 (best of 5e-4 to
+# 4e-3 at batch 16: ``presets.PRESETS["quick"].adamw_lr``), both phases. base and large:
+# RoBERTa's peaks for models of these sizes (Liu et al. 2019, Table 9: 6e-4 and 4e-4, batch 8K)
+# at the preset's batch as they are (nobody published AdamW at 64K; not tuned here), and phase 2
+# at 2/3 of phase 1 as NVIDIA's LAMB recipe (4e-3 after 6e-3).
+ADAMW_LRS = {
+  "smoke": ((_QUICK.adamw_lr, min(_QUICK.batches)), (_QUICK.adamw_lr, min(_QUICK.batches))),
+  "base": ((6e-4, None), (4e-4, None)),
+  "large": ((4e-4, None), (4e-4 * 2 / 3, None)),
+}
+
+
+def preset(name: str, opt: str | None = None) -> RunConfig:
+  """The preset ``name`` for optimizer ``opt`` (default: the preset's): AdamW gets its own
+  learning rates (``ADAMW_LRS``), the LAMBs (``lamb`` and every ``compat`` one) LAMB's."""
+  if name not in PRESETS:
+    raise ValueError(f"preset={name!r}: one of {sorted(PRESETS)}")
+  cfg = PRESETS[name]
+  if opt is None or opt == cfg.opt:
+    return cfg
+  phases = cfg.phases
+  if opt == "adamw":
+    phases = tuple(
+      dataclasses.replace(p, lr=lr, lr_batch=at or p.batch)
+      for p, (lr, at) in zip(phases, ADAMW_LRS[name], strict=True)
+    )
+  return dataclasses.replace(cfg, opt=opt, phases=phases)
+
+
 def parse_value(text: str) -> Any:
-  """A Python literal (number, bool, None, tuple, list), else the text as a string."""
+  """A Python literal (number, bool, None, tuple, list), ``inf`` or ``nan``, else the text."""
   try:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
+    pass
+  try:
+    return float(text)  # inf, nan: refused by name later, as floats
+  except ValueError:
     return text
 
 
@@ -145,12 +188,17 @@ def override(cfg: RunConfig, pairs: list[tuple[str, Any]]) -> RunConfig:
   """
   for key, value in pairs:
     if key == "phases":
-      cfg = dataclasses.replace(cfg, phases=cfg.phases[: int(value)])
+      if not _is_int(value) or not 1 <= value <= len(cfg.phases):
+        raise ValueError(
+          f"phases={value!r}: must be a whole number from 1 to {len(cfg.phases)} (this preset's)"
+        )
+      cfg = dataclasses.replace(cfg, phases=cfg.phases[:value])
     elif key.startswith("phase") and "." in key:
       head, field = key.split(".", 1)
-      i = int(head[len("phase") :]) - 1
+      number = head[len("phase") :]
+      i = int(number) - 1 if number.isdigit() else -1
       if not 0 <= i < len(cfg.phases):
-        raise ValueError(f"{key}: this run has {len(cfg.phases)} phase(s)")
+        raise ValueError(f"{key}={value!r}: this run has phase1 to phase{len(cfg.phases)}")
       phases = list(cfg.phases)
       phases[i] = _replace(phases[i], field, value)
       cfg = dataclasses.replace(cfg, phases=tuple(phases))
@@ -164,6 +212,54 @@ def _replace(obj: Any, field: str, value: Any) -> Any:
   if field not in names:
     raise ValueError(f"no setting {field!r}; one of {sorted(names)}")
   return dataclasses.replace(obj, **{field: value})
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+  return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+  """``cfg`` if every setting is usable, else a ValueError naming the first that is not.
+
+  Runs before anything is written or compiled: a bad value found by the schedule or the
+  optimizer after minutes of compiling, or after checkpoints/ exists, is what this prevents.
+  """
+
+  def need(ok: bool, name: str, value: Any, what: str) -> None:
+    if not ok:
+      raise ValueError(f"{name}={value!r}: {what}")
+
+  need(cfg.model in MODELS, "model", cfg.model, f"one of {sorted(MODELS)}")
+  need(cfg.dtype in DTYPES, "dtype", cfg.dtype, f"one of {list(DTYPES)}")
+  need(_is_int(cfg.seed) and cfg.seed >= 0, "seed", cfg.seed, "must be an integer >= 0")
+  for name in ("log_every", "checkpoint_every", "eval_every"):
+    value = getattr(cfg, name)
+    need(_is_int(value) and value > 0, name, value, "must be a positive integer")
+  need(isinstance(cfg.fsdp, bool), "fsdp", cfg.fsdp, "must be True or False")
+  need(len(cfg.phases) > 0, "phases", len(cfg.phases), "a run needs at least one phase")
+  max_len = MODELS[cfg.model]["max_len"]
+  for i, p in enumerate(cfg.phases):
+    at = f"phase{i + 1}."
+    for name in ("seq_len", "batch", "steps", "micro_batch"):
+      value = getattr(p, name)
+      need(_is_int(value) and value > 0, at + name, value, "must be a positive integer")
+    need(p.seq_len <= max_len, at + "seq_len", p.seq_len,
+         f"longer than BERT-{cfg.model}'s {max_len} positions")  # fmt: skip
+    need(_is_int(p.warmup) and p.warmup >= 0, at + "warmup", p.warmup, "must be an integer >= 0")
+    need(_is_number(p.lr) and p.lr > 0, at + "lr", p.lr, "must be a positive finite number")
+    need(
+      _is_number(p.power) and p.power >= 0, at + "power", p.power, "must be a finite number >= 0"
+    )
+    need(p.lr_batch is None or (_is_int(p.lr_batch) and p.lr_batch > 0), at + "lr_batch",
+         p.lr_batch, "must be a positive integer (or None)")  # fmt: skip
+    # (These make every value of the warm-up and decay finite and in [0, peak]; the schedule
+    # itself is not evaluated: that would start JAX's backend before jax.distributed.)
+    need(math.isfinite(p.peak_lr), at + "lr", p.lr, f"gives peak learning rate {p.peak_lr}")
+  return cfg
 
 
 def from_json(data: dict) -> RunConfig:

@@ -1,15 +1,9 @@
-"""The corpus, its WordPiece tokenizer, and each phase's masked batches as a function of the step.
-
-A step's batch depends only on (seed, phase, step): the sequences come from a fixed permutation
-of the corpus per epoch and the masks from a generator seeded by (seed, phase, step). A run
-resumed from a checkpoint at step ``s`` therefore reads exactly what an uninterrupted run reads
-after step ``s``, on any number of devices.
-"""
+"""The corpus's text and its WordPiece tokenizer (``prepare`` tokenizes with them), and the
+corpus tokenized in memory (``load_corpus``: small corpora, tests)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import os
 from typing import TYPE_CHECKING
@@ -54,16 +48,34 @@ def read_lines(paths: list[str] | None) -> list[str]:
   return lines
 
 
+CASES = ("auto", "cased", "uncased")
+
+
 def load_tokenizer(vocab: str | None, lines: list[str], vocab_size: int, out_dir: str | None, *,
-                   default_corpus: bool) -> Tokenizer:  # fmt: skip
+                   default_corpus: bool, case: str = "auto") -> Tokenizer:  # fmt: skip
   """The tokenizer: ``vocab`` (a tokenizers JSON or a BERT ``vocab.txt``), else one kept in
   ``out_dir`` by an earlier start, else the committed KJV one (default corpus), else one trained
-  on ``lines`` with ``tokenizers`` (and kept in ``out_dir``)."""
+  on ``lines`` with ``tokenizers`` (and kept in ``out_dir``).
+
+  ``case``: ``cased`` keeps the text's case, ``uncased`` lowercases it (and strips accents, as
+  BERT's uncased models); ``auto`` takes a JSON's own normalizer, and a ``vocab.txt`` as cased
+  when one of its tokens has a capital letter (BERT's cased vocabularies do, uncased ones not).
+  The vocabularies trained here and the committed one are uncased.
+  """
   from tokenizers import Tokenizer
 
+  if case not in CASES:
+    raise ValueError(f"case={case!r}: one of {CASES}")
   kept = os.path.join(out_dir, TOKENIZER_FILE) if out_dir else None
   if vocab is not None:
-    tok = Tokenizer.from_file(vocab) if vocab.endswith(".json") else _from_vocab_txt(vocab)
+    if vocab.endswith(".json"):
+      tok = Tokenizer.from_file(vocab)
+      if case != "auto":
+        tok.normalizer = _bert_normalizer(lowercase=case == "uncased")
+    else:
+      tok = _from_vocab_txt(vocab, case)
+  elif case == "cased":
+    raise ValueError("case='cased' needs a cased --vocab (the vocabularies made here are uncased)")
   elif kept and os.path.exists(kept):
     tok = Tokenizer.from_file(kept)
   elif default_corpus:
@@ -79,12 +91,26 @@ def load_tokenizer(vocab: str | None, lines: list[str], vocab_size: int, out_dir
   return tok
 
 
-def _from_vocab_txt(path: str) -> Tokenizer:
-  """A BERT ``vocab.txt`` (one token a line) as an uncased BERT WordPiece tokenizer."""
-  from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+def _bert_normalizer(lowercase: bool):
+  from tokenizers import normalizers
+
+  return normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
+
+
+def vocab_is_cased(path: str) -> bool:
+  """Whether a ``vocab.txt`` has a token with a capital letter (the [SPECIAL] ones aside)."""
+  with open(path, encoding="utf-8") as f:
+    tokens = (line.strip() for line in f)
+    return any(t.lower() != t for t in tokens if not (t.startswith("[") and t.endswith("]")))
+
+
+def _from_vocab_txt(path: str, case: str = "auto") -> Tokenizer:
+  """A BERT ``vocab.txt`` (one token a line) as a BERT WordPiece tokenizer (see ``case``)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
   tok = Tokenizer(models.WordPiece.from_file(path, unk_token="[UNK]"))
-  tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+  cased = vocab_is_cased(path) if case == "auto" else case == "cased"
+  tok.normalizer = _bert_normalizer(lowercase=not cased)
   tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   tok.decoder = decoders.WordPiece()
   return tok
@@ -95,46 +121,12 @@ def load_corpus(
   vocab: str | None = None,
   vocab_size: int = 2048,
   out_dir: str | None = None,
+  case: str = "auto",
 ) -> Corpus:
   """The corpus tokenized (see :func:`load_tokenizer` for which tokenizer)."""
   lines = read_lines(paths)
-  tok = load_tokenizer(vocab, lines, vocab_size, out_dir, default_corpus=not paths)
+  tok = load_tokenizer(vocab, lines, vocab_size, out_dir, default_corpus=not paths, case=case)
   ids = data_lib.token_ids(lines, tok)
   digest = hashlib.sha256(ids.tobytes())
   digest.update(tok.to_str().encode())
   return Corpus(ids, tok.get_vocab_size(), tok.token_to_id("[MASK]"), digest.hexdigest()[:16])
-
-
-class Stream:
-  """One phase's batches: ``batch(step)`` is ``MLMBatch`` ``[batch, seq_len]`` (NumPy)."""
-
-  def __init__(self, corpus: Corpus, seq_len: int, batch: int, seed: int, phase: int) -> None:
-    self.seqs = data_lib.chunk(corpus.ids, seq_len)
-    if len(self.seqs) == 0:
-      raise ValueError(f"the corpus has fewer than {seq_len} tokens")
-    self.corpus, self.batch_size, self.seed, self.phase = corpus, batch, seed, phase
-
-  @functools.lru_cache(maxsize=2)  # noqa: B019  (a stream lives as long as its run)
-  def _order(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng((self.seed, self.phase, epoch)).permutation(len(self.seqs))
-
-  def rows(self, step: int) -> np.ndarray:
-    """Indices of the sequences of ``step`` (epochs of fresh permutations, end to end)."""
-    k = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-    n = len(self.seqs)
-    epochs = k // n
-    out = np.empty_like(k)
-    for e in np.unique(epochs):
-      at = epochs == e
-      out[at] = self._order(int(e))[k[at] % n]
-    return out
-
-  def batch(self, step: int) -> data_lib.MLMBatch:
-    """The masked-LM examples of ``step``: BERT masking seeded by (seed, phase, step)."""
-    rng = np.random.default_rng((self.seed, self.phase, step, 1))
-    return data_lib.mask_tokens(
-      self.seqs[self.rows(step)],
-      rng,
-      mask_id=self.corpus.mask_id,
-      vocab_size=self.corpus.vocab_size,
-    )

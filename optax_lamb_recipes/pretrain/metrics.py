@@ -1,6 +1,8 @@
 """What a run reports every N steps: loss, learning rate, gradient norm, trust-ratio quantiles,
-tokens/s per device and MFU; printed, written for TensorBoard (``tensorboardX``) and appended to
-``metrics.jsonl``, with a progress bar. Process 0 writes; the others only train.
+tokens/s per device, MFU, seconds per step and seconds spent saving checkpoints (kept out of the
+throughput), and the held-out loss and accuracy at each evaluation; printed, written for
+TensorBoard (``tensorboardX``: tags under ``train/``, ``opt/`` and ``eval/``, and ``train/phase``)
+and appended to ``metrics.jsonl``, with a progress bar. Process 0 writes; the others only train.
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ def summarize(
   return out
 
 
+def tensorboard_tag(key: str) -> str:
+  """A metrics.jsonl key's TensorBoard tag: the optimizer's numbers under ``opt/``, held-out
+  ones under ``eval/`` (already), the rest (loss, throughput, timings, phase) under ``train/``."""
+  if key.startswith("eval/"):
+    return key
+  if key in ("lr", "grad_norm") or key.startswith("trust_ratio/"):
+    return f"opt/{key}"
+  return f"train/{key}"
+
+
 class Logger:
   """Prints, writes TensorBoard scalars and ``metrics.jsonl`` (dropping lines after ``start``
   when a run resumes), and moves a progress bar; a no-op but for the bar off process 0."""
@@ -90,11 +102,12 @@ class Logger:
   def log(self, step: int, phase: int, values: dict[str, float]) -> None:
     if not self.lead:
       return
-    for key, value in values.items():
-      self.writer.add_scalar(key, value, step)
+    for key, value in {**values, "phase": phase + 1}.items():
+      self.writer.add_scalar(tensorboard_tag(key), value, step)
     self.file.write(json.dumps({"step": step, "phase": phase, **values}) + "\n")
     self.file.flush()
-    shown = ("loss", "lr", "grad_norm", "trust_ratio/q50", "tokens_per_s_per_device", "mfu")
+    shown = ("loss", "eval/loss", "eval/accuracy", "lr", "grad_norm", "trust_ratio/q50",
+             "tokens_per_s_per_device", "mfu", "step_s", "checkpoint_s")  # fmt: skip
     text = "  ".join(f"{k} {values[k]:.4g}" for k in shown if k in values)
     line = f"step {step} (phase {phase + 1})  {text}"
     if self.bar is not None:

@@ -26,13 +26,14 @@ from helpers import fast_compile
 
 from optax_lamb_recipes import data, model
 from optax_lamb_recipes.pretrain import __main__ as cli
-from optax_lamb_recipes.pretrain import bench, checkpoint, config, metrics, optim, step
+from optax_lamb_recipes.pretrain import bench, checkpoint, config, metrics, optim, shards, step
 from optax_lamb_recipes.pretrain import data as pdata
 from optax_lamb_recipes.pretrain import model as pmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = os.path.join(ROOT, "optax_lamb_recipes", data.TOKENIZER_FILE)
-SMALL = ["--set", "checkpoint_every=6", "--set", "log_every=1", "--no-progress", "--vocab", VOCAB]
+SMALL = ["--set", "checkpoint_every=6", "--set", "log_every=1", "--no-progress", "--vocab", VOCAB,
+         "--held-out-every", "5"]  # fmt: skip
 TIMEOUT_S = 240
 
 
@@ -93,6 +94,26 @@ def test_smoke_preset_end_to_end(tmp_path):
   assert "tokens_per_s_per_device" in records[-1] and "mfu" not in records[-1]  # no CPU peak
   assert os.listdir(tmp_path / "tb")
   assert final_params(tmp_path)[0] == cfg.total_steps
+  evals = [r for r in records if "eval/loss" in r]  # held-out, every eval_every and phase end
+  assert [r["step"] for r in evals] == list(range(cfg.eval_every, cfg.total_steps + 1, 8))
+  assert all(np.isfinite(r["eval/loss"]) and 0 <= r["eval/accuracy"] <= 1 for r in evals)
+  assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
+  assert all(r["step_s"] > 0 for r in records[1:])  # the first window is the compile's
+  assert any("checkpoint_s" in r for r in records)  # saves timed apart from the steps
+
+
+@pytest.mark.slow  # a subprocess: CI runs it (pytest -m slow)
+def test_held_out_evaluation_is_reproducible(tmp_path, corpus, reference):
+  """A second run of the same command gives the same held-out loss and accuracy, bit for bit."""
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", str(tmp_path))
+  assert done.returncode == 0, done.stdout + done.stderr
+
+  def evals(out):
+    return {r["step"]: (r["eval/loss"], r["eval/accuracy"]) for r in metrics.read_metrics(out)
+            if "eval/loss" in r}  # fmt: skip
+
+  assert sorted(evals(reference)) == [8, 16, 24, 32]
+  assert evals(str(tmp_path)) == evals(reference)
 
 
 @pytest.mark.slow  # subprocesses: CI runs it (pytest -m slow)
@@ -126,6 +147,29 @@ def test_eight_devices_with_sharded_params_match_one_device(tmp_path, corpus, re
   np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=2e-5)
   for a, b in zip(final_params(tmp_path)[1], final_params(reference)[1], strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow  # subprocesses: CI runs it (pytest -m slow)
+def test_phase_two_from_another_runs_phase_one(tmp_path, corpus, reference):
+  """Phase 1 alone (phases=1), then phase 2 in another --out from its checkpoint: the same
+  losses and final parameters as the run of both phases, bit for bit; a mismatched phase 1 is
+  refused before anything is written."""
+  first, second = str(tmp_path / "phase1"), str(tmp_path / "phase2")
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", first, "--set", "phases=1")
+  assert done.returncode == 0, done.stdout + done.stderr
+  done = pretrain(*SMALL, "--corpus", corpus, "--out", second, "--init-from", first)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "resuming from step 24" in done.stdout
+  got = {**losses(first), **losses(second)}
+  assert got == losses(reference)
+  step, params = final_params(second)
+  want = final_params(reference)[1]
+  assert step == 32 and all(np.array_equal(a, b) for a, b in zip(params, want, strict=True))
+  other = str(tmp_path / "other")
+  refused = pretrain(*SMALL, "--corpus", corpus, "--out", other, "--init-from", first,
+                     "--set", "phase1.lr=0.001")  # fmt: skip
+  assert refused.returncode == 2 and "phase1" in refused.stderr
+  assert not os.path.exists(os.path.join(other, "checkpoints"))
 
 
 def free_port() -> int:
@@ -230,16 +274,31 @@ def test_mfu_and_trust_ratio_quantiles():
 
 
 def test_batches_are_a_function_of_seed_phase_and_step():
-  corpus = pdata.Corpus(np.arange(5, 5 + 32 * 10, dtype=np.int32) % 50 + 5, 60, 4, "x")
-  a = pdata.Stream(corpus, seq_len=32, batch=4, seed=0, phase=0)
-  b = pdata.Stream(corpus, seq_len=32, batch=4, seed=0, phase=0)
-  for t in (3, 0, 7):  # any order: no state carried from one step to the next
-    for x, y in zip(a.batch(t), b.batch(t), strict=True):
-      np.testing.assert_array_equal(x, y)
-  epoch = np.concatenate([a.rows(s) for s in range(5)])  # 20 rows: two epochs of 10
+  """The sampler's batches (rows and sample numbers, which key the masks) depend only on the
+  seed, the phase and the step: a sampler restored at step 3 gives step 3's batch."""
+
+  def sampler(seed=0, phase=0, state=None):
+    s = shards.Sampler(10, 4, seed, phase)
+    if state is not None:
+      s.restore(state)
+    return s
+
+  a, b = sampler(), sampler()
+  steps_a = [a.take() for _ in range(5)]
+  steps_b = [b.take() for _ in range(5)]
+  for x, y in zip(steps_a, steps_b, strict=True):
+    np.testing.assert_array_equal(x[0], y[0])
+    np.testing.assert_array_equal(x[1], y[1])
+  for t in (3, 0, 4):  # any order: the state of step t is (epoch, position) = divmod(4 t, 10)
+    epoch, position = divmod(4 * t, 10)
+    again = sampler(state={"seed": 0, "phase": 0, "epoch": epoch, "position": position}).take()
+    np.testing.assert_array_equal(again[0], steps_a[t][0])
+    np.testing.assert_array_equal(again[1], steps_a[t][1])
+  epoch = np.concatenate([rows for rows, _ in steps_a])  # 20 rows: two epochs of 10
   assert sorted(epoch[:10]) == list(range(10)) and sorted(epoch[10:]) == list(range(10))
-  other = pdata.Stream(corpus, seq_len=32, batch=4, seed=1, phase=0)
-  assert not np.array_equal(a.batch(0).inputs, other.batch(0).inputs)
+  other = sampler(seed=1).take()
+  assert not np.array_equal(steps_a[0][0], other[0])
+  assert not np.array_equal(steps_a[0][0], sampler(phase=1).take()[0])
 
 
 def test_settings_and_square_root_scaling():
