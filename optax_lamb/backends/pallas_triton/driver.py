@@ -47,7 +47,7 @@ _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasTritonBackend:
+class PallasTritonBackend(fields.Checked):
   """The Pallas Triton kernels, with their launch configuration.
 
   Attributes:
@@ -74,10 +74,6 @@ class PallasTritonBackend:
   differentiable = False  # a pallas_call with aliased buffers: the XLA step's derivatives
   block_sizes: BlockSizes = BlockSizes()
   interpret: bool | None = None
-
-  def __post_init__(self) -> None:
-    fields.check_instance("PallasTritonBackend", "block_sizes", self.block_sizes, BlockSizes)
-    fields.check_optional_bool("PallasTritonBackend", "interpret", self.interpret)
 
   def runs_interpreted(self) -> bool:
     if self.interpret is not None:

@@ -36,7 +36,7 @@ from optax_lamb.step._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaBackend:
+class XlaBackend(fields.Checked):
   """The fused XLA path; runs everywhere, and XLA differentiates and partitions it.
 
   Attributes:
@@ -64,16 +64,10 @@ class XlaBackend:
   joint_small_sums: bool | None = None
   chunked_sums: int | None = None
 
-  def __post_init__(self) -> None:
-    fields.check_size("XlaBackend", "materialize_u_max_size", self.materialize_u_max_size)
-    fields.check_optional_bool("XlaBackend", "joint_small_sums", self.joint_small_sums)
-    fields.check_size("XlaBackend", "chunked_sums", self.chunked_sums, optional=True)
-
   def auto_reason(self) -> str | None:
     return None
 
   def unsupported_reason(self, plan: StepPlan, leaves: list[LeafArrays]) -> str | None:
-    del plan, leaves
     return None
 
   def runs_interpreted(self) -> bool:
