@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _leaf
+from optax_lamb import _leaf, _sharded_views
 from optax_lamb._leaf import compute_dtype
 from optax_lamb._options import RatioLayout, StepScalars, replicated
 
@@ -141,11 +141,15 @@ def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool,
   zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
   big = length >= max(16 * partial_count, BLOCKED_FROM)
   blocks = block_count(length, partial_count) if big else None
-  if blocks is None:
+  view = None if blocks is None else lead + (blocks, length // blocks)
+  if view is not None and _sharded_views.is_sharded(terms[0]):  # jax refuses that reshape there
+    view = _sharded_views.first_axis_blocks(terms[0], stacked_axes, partial_count)
+  if view is None:
     return tuple(jax.lax.reduce(terms, zeros, _add, axes))
-  rows = tuple(jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms)
-  partials = jax.lax.reduce(rows, zeros, _add, (len(lead) + (0 if columns else 1),))
-  return tuple(jnp.sum(q, axis=-1) for q in partials)
+  rows = tuple(jnp.reshape(q, view) for q in terms)
+  summed = (len(lead),) if columns else tuple(range(len(lead) + 1, len(view)))
+  partials = jax.lax.reduce(rows, zeros, _add, summed)
+  return tuple(jnp.sum(q, axis=tuple(range(len(lead), jnp.ndim(q)))) for q in partials)
 
 
 @_reduced.defjvp
