@@ -143,7 +143,9 @@ def _reduced(terms: tuple, stacked_axes: int, partial_count: int, columns: bool,
   blocks = block_count(length, partial_count) if big else None
   view = None if blocks is None else lead + (blocks, length // blocks)
   if view is not None and _sharded_views.is_sharded(terms[0]):  # jax refuses that reshape there
-    view = _sharded_views.first_axis_blocks(terms[0], stacked_axes, partial_count)
+    view, columns = _sharded_views.first_axis_blocks(terms[0], stacked_axes, partial_count, columns)
+    if view is None:  # a plain sum each, which XLA's partitioner splits over a sharded axis
+      return tuple(jnp.sum(q, axis=axes) for q in terms)
   if view is None:
     return tuple(jax.lax.reduce(terms, zeros, _add, axes))
   rows = tuple(jnp.reshape(q, view) for q in terms)

@@ -24,17 +24,22 @@ def is_sharded(x: jax.Array) -> bool:
   return any(n > 1 for n in shards(x))
 
 
-def first_axis_blocks(x: jax.Array, stacked_axes: int, target: int) -> tuple[int, ...] | None:
+def first_axis_blocks(x: jax.Array, stacked_axes: int, target: int,
+                      columns: bool) -> tuple[tuple[int, ...] | None, bool]:  # fmt: skip
   """A view of x's slices (all but the first `stacked_axes` axes) in about `target` blocks of
   their first axis (b blocks of d0 / b rows: contiguous, as a flat view's b blocks), b a multiple
-  of that axis's pieces so that each device keeps whole blocks; None if no b > 1 fits."""
-  k, shape = stacked_axes, jnp.shape(x)
-  pieces = shards(x)[k]
-  fits = [b for b in range(2, shape[k] + 1) if shape[k] % b == 0 and b % pieces == 0]
-  if not fits:
-    return None
+  of that axis's pieces so that each device keeps whole blocks, and the layout (`columns` or
+  not) whose joint reduction reduces no sharded axis: XLA's partitioner would gather its input.
+  Rows where the blocks' axis is split, columns where another is; (None, _) where both are or
+  no b > 1 fits (then a plain sum per term, which the partitioner splits)."""
+  k, shape, split = stacked_axes, jnp.shape(x), shards(x)
+  inside = any(n > 1 for n in split[k + 1 :])
+  fits = [b for b in range(2, shape[k] + 1) if shape[k] % b == 0 and b % split[k] == 0]
+  if not fits or (split[k] > 1 and inside):
+    return None, columns
   b = min(fits, key=lambda b: (abs(b - target), -b))
-  return shape[:k] + (b, shape[k] // b) + shape[k + 1 :]
+  layout = False if split[k] > 1 else True if inside else columns
+  return shape[:k] + (b, shape[k] // b) + shape[k + 1 :], layout
 
 
 def an_element(x: jax.Array) -> jax.Array:
