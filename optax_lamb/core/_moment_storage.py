@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb.core import _quantize
+from optax_lamb.core import _quantize, _sharded_views
 from optax_lamb.core._quantize import QuantizedMoment
 
 QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
@@ -126,7 +126,11 @@ def zero_after(p: jax.Array | list[jax.Array], g: jax.Array) -> jax.Array:
   conditional): what uses it runs after `p` is written, so an in-place write that must follow the
   last read of an old value (the new moments after the new params, the new scales after the new
   codes) needs no copy."""
-  first = lambda qs: sum(jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0) for q in qs)
+  first = lambda qs: sum(
+    jnp.minimum(jnp.abs(_sharded_views.an_element(q).astype(g.dtype)), 0) for q in qs
+  )
   ps = tuple(p) if isinstance(p, list) else (p,)
-  zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda qs: jnp.zeros((), g.dtype), ps)
+  zero = jax.lax.cond(
+    jnp.isnan(_sharded_views.an_element(g)), first, lambda qs: jnp.zeros((), g.dtype), ps
+  )
   return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)

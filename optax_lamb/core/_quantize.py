@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lamb.core import _sharded_views
+
 BLOCK_SIZE = 256  # elements per scale: 2 + 8/256 = 2.03 bytes a parameter for both moments
 _DECADES = 7
 
@@ -227,14 +229,13 @@ def _block_scales(xs: list[jax.Array], block_size: int, one_reduction: bool) -> 
   """The scales of each float32 x of ``xs`` (one shape): whole blocks reduced in place (no padded
   copy), the partial last one apart; by `_joint_block_scales`, or `block_scale` in a Pallas Triton
   kernel (no variadic reduction there): the same scales, a max being exact."""
-  lead, n = xs[0].shape[:-1], xs[0].shape[-1]
+  n = xs[0].shape[-1]
   whole = n // block_size
   reduce = _joint_block_scales if one_reduction else lambda ys: [block_scale(y) for y in ys]
   parts = []
   if whole or not n:  # n = 0: no blocks, scales of length 0
-    parts.append(
-      reduce([x[..., : whole * block_size].reshape(*lead, whole, block_size) for x in xs])
-    )
+    blocks = [_sharded_views.last_axis_blocks(x[..., : whole * block_size], block_size) for x in xs]
+    parts.append(reduce(blocks))
   if n % block_size:
     parts.append([s[..., None] for s in reduce([x[..., whole * block_size :] for x in xs])])
   return [jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0] for p in zip(*parts, strict=True)]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb.core import _leaf, _options
+from optax_lamb.core import _leaf, _options, _sharded_views
 from optax_lamb.core._leaf import compute_dtype
 from optax_lamb.core._options import RatioLayout, StepScalars, replicated
 
@@ -148,11 +148,17 @@ def _reduced(
   zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
   big = length >= max(16 * partial_count, BLOCKED_FROM)
   blocks = block_count(length, partial_count) if big else None
-  if blocks is None:
+  view = None if blocks is None else lead + (blocks, length // blocks)
+  if view is not None and _sharded_views.is_sharded(terms[0]):  # jax refuses that reshape there
+    view, columns = _sharded_views.first_axis_blocks(terms[0], stacked_axes, partial_count, columns)
+    if view is None:  # a plain sum each, which XLA's partitioner splits over a sharded axis
+      return tuple(jnp.sum(q, axis=axes) for q in terms)
+  if view is None:
     return tuple(jax.lax.reduce(terms, zeros, _add, axes))
-  rows = tuple(jnp.reshape(q, lead + (blocks, length // blocks)) for q in terms)
-  partials = jax.lax.reduce(rows, zeros, _add, (len(lead) + (0 if columns else 1),))
-  return tuple(jnp.sum(q, axis=-1) for q in partials)
+  rows = tuple(jnp.reshape(q, view) for q in terms)
+  summed = (len(lead),) if columns else tuple(range(len(lead) + 1, len(view)))
+  partials = jax.lax.reduce(rows, zeros, _add, summed)
+  return tuple(jnp.sum(q, axis=tuple(range(len(lead), jnp.ndim(q)))) for q in partials)
 
 
 @_reduced.defjvp

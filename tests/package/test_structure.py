@@ -37,6 +37,7 @@ XLA_PATH = [
   "core/_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)
   "core/_quantize.py",
   "core/_options.py",
+  "core/_sharded_views.py",  # arrays whose type shards them (Explicit meshes)
 ]
 PALLAS_BACKEND = [
   "backends/pallas_triton/driver.py",
