@@ -203,7 +203,7 @@ def sweep_figure(results: dict, path: str | None = None):
 
 
 def paired_differences(results: dict, ax) -> None:
-  """LAMB minus AdamW per tuning protocol against batch size, with 95% bootstrap intervals (black:
+  """LAMB minus AdamW per tuning protocol against batch size, with 95% t-intervals over the seeds (black:
   a difference is neither optimizer's line; marker and dashes: the protocol)."""
   diffs = analysis.paired_differences(results)
   for k, (protocol, by_batch) in enumerate(diffs.items()):
@@ -220,7 +220,7 @@ def paired_differences(results: dict, ax) -> None:
 
 
 def arm_losses(results: dict, ax) -> None:
-  """Each arm's final test loss against batch size, with its 95% bootstrap interval (study)."""
+  """Each arm's final test loss against batch size, with its 95% t-interval over the seeds (study)."""
   table = analysis.arm_table(results)
   for k, (arm, by_batch) in enumerate(table.items()):
     bs = sorted(by_batch)
