@@ -164,16 +164,25 @@ def headline(results_dir: str) -> str:
 
 
 def study_summary(study_path: str) -> str:
-  """The README's lines on the claim study: the paired differences and where they come from."""
+  """The README's lines on the claim study: the paired differences (the README's text above the
+  block says what the cells are), the verdicts and where they come from."""
   from optax_lamb_recipes import analysis
 
   results = _load(study_path)
+  table = analysis.format_differences(results).split("\n\n", 1)[1]  # without its title
   return (
-    analysis.format_differences(results)
+    table
     + "\n\nAt 95%: "
     + " ".join(analysis.findings(results))
-    + f"\n\n{analysis.format_compute(results)} (`notebooks/results/{os.path.basename(study_path)}`)."
+    + f" {analysis.format_compute(results)} (`notebooks/results/{os.path.basename(study_path)}`)."
   )
+
+
+def recipe_headline(plateau_path: str, budget_path: str) -> str:
+  """The recipe's first finding: LAMB against AdamW past the plateau (`plateau.headline`)."""
+  from optax_lamb_recipes import plateau
+
+  return plateau.headline(_load(plateau_path), _load(budget_path))
 
 
 def study_report(study_path: str) -> str:
@@ -473,11 +482,14 @@ def _recipe_blocks(root: str) -> dict[str, dict[str, str]]:
   quantized = os.path.join(root, "notebooks", "results", "moments8.json")
   return {
     "README.md": {
-      # The README keeps the claim study's table; the steps to a target, the random search, the
-      # longer training, the replay and the search past the plateau are docs/recipe.md's.
+      # The README leads with the finding past the plateau, then keeps the claim study's table;
+      # the steps to a target, the random search, the longer training, the replay and the
+      # search past the plateau's tables are docs/recipe.md's.
+      "recipe headline": recipe_headline(past, longer),
       "recipe study": study_summary(study),
     },
     os.path.join("docs", "recipe.md"): {
+      "recipe headline": recipe_headline(past, longer),
       "recipe study": study_report(study),
       "steps to target": steps_to_target(study, table=True),
       "random search": search_summary(searched, full=True),

@@ -7,6 +7,6 @@ side by side). The experiments, one job per module: ``presets`` (what a sweep is
 (its training stream and evaluation sets), ``sweep`` (the main job: the tuning grid,
 ``python -m optax_lamb_recipes.sweep``), ``report`` (the arms, their choices, the table),
 ``records`` (runs and sessions as JSON), ``study`` (the arms trained again on more seeds,
-``python -m optax_lamb_recipes.study``), ``analysis`` (paired bootstrap intervals) and
+``python -m optax_lamb_recipes.study``), ``analysis`` (paired t-intervals over seeds) and
 ``plots``.
 """

@@ -103,5 +103,5 @@ def loss_fn(graphdef, params, batch) -> jax.Array:
 
 
 def sequence_losses(graphdef, params, batch) -> jax.Array:
-  """Each sequence's mean loss over its masked positions, ``[batch]`` (for bootstraps)."""
+  """Each sequence's mean loss over its masked positions, ``[batch]`` (for paired comparisons)."""
   return mlm_losses(nnx.merge(graphdef, params), batch).mean(axis=-1)

@@ -8,8 +8,8 @@ LAMB trains twice on every seed: once with float32 moments and once with
 else the same: the searched LAMB settings of ``search.py`` at batch 16 and batch 512, the sample
 budget of the search (1x) and 4x of it, the schedule stretched as in the longer runs
 (``budget.py``), seeds 0 to 4 (model initialisation, data order and masks). The final test losses
-are compared paired by seed and test sequence (``analysis.bootstrap``: 8-bit minus float32, with
-its 95% interval). Nothing is tuned for the 8-bit moments. The results file is written after every
+are compared paired by seed and test sequence (``analysis.t_interval``: 8-bit minus float32, with
+its 95% t-interval over the seeds). Nothing is tuned for the 8-bit moments. The results file is written after every
 run; running the command again resumes where it stopped (a run cut short trains again from its
 start).
 
@@ -152,8 +152,8 @@ def _results(cfg: Moments8Config, searched: dict, runs: list[dict], sessions: li
 
 
 def table(results: dict) -> dict[tuple[int, int], dict]:
-  """``(multiple, batch) -> {"float32", "8-bit", "difference"}``: each a `analysis.bootstrap`
-  (mean and 95% interval) of the final test loss over the seeds both arms have, the difference
+  """``(multiple, batch) -> {"float32", "8-bit", "difference"}``: each a `analysis.t_interval`
+  (mean and 95% t-interval over the seeds) of the final test loss over the seeds both arms have, the difference
   8-bit minus float32 paired by seed and test sequence; ``seed_list`` and ``per_seed`` (each
   seed's mean difference) with it."""
   by = {key(r): r for r in results["runs"]}
@@ -170,9 +170,9 @@ def table(results: dict) -> dict[tuple[int, int], dict]:
     }
     diff = loss["8-bit"] - loss["float32"]
     out[multiple, b] = {
-      "float32": analysis.bootstrap(loss["float32"]),
-      "8-bit": analysis.bootstrap(loss["8-bit"]),
-      "difference": analysis.bootstrap(diff),
+      "float32": analysis.t_interval(loss["float32"]),
+      "8-bit": analysis.t_interval(loss["8-bit"]),
+      "difference": analysis.t_interval(diff),
       "seed_list": seeds,
       "per_seed": diff.mean(axis=1).tolist(),
     }
@@ -183,18 +183,17 @@ def format_table(results: dict) -> str:
   """Markdown: per budget and batch, each arm's final test loss and the paired difference."""
   lines = [
     "LAMB with 8-bit block-wise quantized moments against float32 moments, the searched settings "
-    "of each batch; final test loss (nats), mean [95% interval], and 8-bit minus float32 paired by "
-    "seed and test sequence (positive: 8-bit worse):",
+    "of each batch; final test loss (nats), mean over seeds [95% t-interval] (each seed's), and "
+    "8-bit minus float32 paired by seed and test sequence (positive: 8-bit worse):",
     "",
-    "| budget | batch | float32 | 8-bit | 8-bit minus float32 | per seed | seeds |",
-    "|---:|---:|---:|---:|---:|---|---:|",
+    "| budget | batch | float32 | 8-bit | 8-bit minus float32 | seeds |",
+    "|---:|---:|---:|---:|---:|---:|",
   ]
   for (m, b), row in table(results).items():
     d = row["difference"]
     cells = analysis.loss_cell(row["float32"]), analysis.loss_cell(row["8-bit"])
-    per_seed = ", ".join(f"{x:+.3f}" for x in row["per_seed"])
     lines.append(
-      analysis.markdown_row([f"{m}x", b, *cells, analysis.difference_cell(d), per_seed, d["seeds"]])
+      analysis.markdown_row([f"{m}x", b, *cells, analysis.difference_cell(d), d["seeds"]])
     )
   return "\n".join(lines)
 
@@ -208,11 +207,8 @@ def findings(results: dict) -> list[str]:
     if d["seeds"] < analysis.MIN_SEEDS:
       out.append(f"{m}x, B={b}: {d['seeds']} seed(s) so far, mean difference {d['mean']:+.3f}.")
       continue
-    side = (
-      "8-bit worse" if d["low"] > 0 else "8-bit better" if d["high"] < 0 else
-      "no difference resolved"
-    )  # fmt: skip
-    said = f"{m}x, B={b}: {side} ({analysis.difference_cell(d)} nats, {d['seeds']} seeds)"
+    side = analysis.side(d, better=("8-bit better", "8-bit worse"))
+    said = f"{m}x, B={b}: {side} ({analysis.difference_cell(d, False)} nats, {d['seeds']} seeds)"
     if m == 1:
       within = max(abs(d["low"]), abs(d["high"])) <= PREDICTION
       said += (

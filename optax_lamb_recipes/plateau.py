@@ -9,7 +9,7 @@ comparison there is between two optimizers that barely left it. Here the search 
 batch 512 only, with 4x the samples (600 steps), where the searched LAMB settings of the longer
 runs (``budget.py``) fell to 4.2-5.0 nats: 12 trials per optimizer, scored on validation with
 seed 0, then each optimizer's best trial on seeds 1 and 2, compared on the test split paired by
-seed and test sequence (``analysis.bootstrap``). Trust ratios and relative steps per layer are
+seed and test sequence (``analysis.t_interval``). Trust ratios and relative steps per layer are
 recorded in every run (about 1 KB per layer and run).
 
 The spaces are the search's, except AdamW's warm-up: 0.5% to 90% of the steps instead of 0.5% to
@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from optax_lamb_recipes import analysis, presets, records, report, search, steps
+from optax_lamb_recipes import analysis, budget_report, presets, records, report, search, steps
 from optax_lamb_recipes.presets import FAMILIES
 
 MULTIPLE = 4  # times the sweep's samples
@@ -147,6 +147,62 @@ def findings(results: dict, targets=TARGETS) -> list[str]:
     said = f"{who} surely took fewer steps" if who else "the brackets overlap"
     out.append(f"To {t:.1f}: LAMB {steps.cell(lamb)}, AdamW {steps.cell(adamw)} steps ({said}).")
   return out
+
+
+def _same_runs_but_samples(past: dict, longer: dict) -> int:
+  """How many times ``longer``'s samples this search's runs have; ValueError unless the two
+  files' data, model and splits agree (so that their runs pair by seed and test sequence)."""
+  a, b = dict(past["config"]), dict(longer["config"])
+  multiple = a.pop("samples") / b.pop("samples")
+  a.pop("seeds"), b.pop("seeds")
+  if a != b or past["data"] != longer["data"] or multiple != int(multiple):
+    raise ValueError("plateau.json and budget.json differ in data, model or splits")
+  return int(multiple)
+
+
+def stretched_lamb(past: dict, longer: dict) -> dict:
+  """The longer-training file's LAMB (its settings searched at 1x, the schedule stretched) at
+  this search's batch and budget, set against this search's chosen trials on the same seeds:
+  ``difference`` (that LAMB minus the chosen AdamW, a `analysis.t_interval` paired by seed and
+  test sequence), ``chosen`` (the chosen LAMB minus the chosen AdamW, the same), and on the
+  search's first seed the validation loss of that LAMB and of the chosen LAMB (``validation``)."""
+  multiple = _same_runs_but_samples(past, longer)
+  (batch,) = past["search"]["batches"]
+  stretched = budget_report.losses(longer, "lamb", batch, multiple)
+  lamb, adamw = (search.losses(past, f, batch) for f in FAMILIES)
+  first = past["search"]["seeds"][0]
+  chosen_lamb = next(r for r in _chosen_runs(past, "lamb") if r["seed"] == first)
+  return {
+    "batch": batch,
+    "multiple": multiple,
+    "difference": analysis.paired(stretched, adamw)["difference"],
+    "chosen": analysis.paired(lamb, adamw)["difference"],
+    "validation": {
+      "stretched": records.final(budget_report.run_at(longer, "lamb", batch, multiple, first),
+                                 "validation"),
+      "chosen": records.final(chosen_lamb, "validation"),
+      "seed": first,
+    },
+  }  # fmt: skip
+
+
+def headline(past: dict, longer: dict) -> str:
+  """The recipe's first finding: LAMB against AdamW past the plateau, from this search and from
+  the longer-training file's LAMB at the same batch and budget, with the verdict of each."""
+  got = stretched_lamb(past, longer)
+  d, c, v = got["difference"], got["chosen"], got["validation"]
+  tests = [records.final(r, "test") for f in FAMILIES for r in _chosen_runs(past, f)]
+  than = "better than" if v["stretched"] < v["chosen"] else "no better than"
+  words = lambda x: analysis.side(x).replace("no difference resolved", "unresolved")  # noqa: E731
+  return (
+    f"Past the plateau (batch {got['batch']}, {got['multiple']}x the samples, test losses "
+    f"{min(tests):.2f} to {max(tests):.2f} against the token-frequency loss "
+    f"{analysis.baseline(past):.2f}), LAMB minus AdamW, both searched with the same budget: "
+    f"{analysis.difference_cell(c)} nats over {c['seeds']} seeds, {words(c)}. LAMB's settings "
+    f"searched at 1x and stretched to {got['multiple']}x (`budget.json`) score "
+    f"{v['stretched']:.3f} on seed {v['seed']}'s validation, {than} the search's chosen LAMB "
+    f"({v['chosen']:.3f}); against the same AdamW: {analysis.difference_cell(d)} nats, {words(d)}."
+  )
 
 
 def format_report(results: dict) -> str:

@@ -15,17 +15,25 @@ from optax_lamb_recipes import analysis, records, report
 COLOUR = {"lamb": "C0", "adamw": "C1"}
 LINE = {"lamb": "-", "adamw": "--"}
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+# Each optimizer's shades come from a sequential colour map of its hue, whose lightness falls
+# steadily (CIE L* about 80 to 21 for Blues, 79 to 29 for Oranges, over the range below): seven
+# shades stay 7 to 12 L* apart, where mixing the hue with white and black left the lightest
+# oranges 5 apart.
+SHADES = {"lamb": "Blues", "adamw": "Oranges"}
+SHADE_RANGE = (0.35, 1.0)
+FONT_PT = 9  # the smallest text in a figure drawn at the docs' page width (7.5 in)
+PAGE_WIDTH_IN = 7.5
 
 
 def shade(family: str, i: int = 0, n: int = 1) -> tuple[float, float, float]:
   """The ``i``-th of ``n`` shades of ``family``'s colour, light to dark (its colour where n = 1)."""
+  from matplotlib import colormaps
   from matplotlib.colors import to_rgb
 
-  base = np.array(to_rgb(COLOUR[family]))
   if n == 1:
-    return tuple(base)
-  t = -0.5 + 0.95 * i / (n - 1)  # below 0: towards white, above: towards black
-  return tuple(base + (1 - base) * -t if t < 0 else base * (1 - t))
+    return to_rgb(COLOUR[family])
+  lo, hi = SHADE_RANGE
+  return to_rgb(colormaps[SHADES[family]](lo + (hi - lo) * i / (n - 1)))
 
 
 def style(family: str, i: int = 0, n: int = 1) -> dict:
@@ -40,7 +48,47 @@ def arm_style(arm: str) -> dict:
 
 def legend_outside(ax, **kw) -> None:
   """The legend to the right of the axes, where it hides no line."""
-  ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8, **kw)
+  ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=FONT_PT, **kw)
+
+
+def legend_under(fig, ax, ncol: int = 2, **kw) -> None:
+  """``ax``'s legend under it, outside the axes, in ``fig`` (a figure or subfigure of one axes
+  with a constrained layout, which makes room for it)."""
+  handles, labels = ax.get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=FONT_PT, **kw)
+
+
+def _batch_list(same: list[int], batches: list[int]) -> str:
+  """``16-128`` for three or more consecutive batches of ``batches``, else ``16, 64``."""
+  i = batches.index(same[0])
+  if len(same) > 2 and batches[i : i + len(same)] == same:
+    return f"{same[0]}-{same[-1]}"
+  return ", ".join(map(str, same))
+
+
+def coinciding(results: dict, families, protocol: str) -> str:
+  """``"\\n(same as B_min at B=16-128)"``: where ``protocol``'s arms of every one of ``families``
+  took the same learning-rate factors as an earlier protocol's (the same runs, so the same
+  points), per earlier protocol; empty where they never do."""
+  factors, batches = results["tuning"]["chosen_factors"], results["config"]["batches"]
+  parts = []
+  for other in report.PROTOCOLS[: report.PROTOCOLS.index(protocol)]:
+    same = [
+      b
+      for j, b in enumerate(batches)
+      if all(
+        factors[report.arm_name(f, protocol)][j] == factors[report.arm_name(f, other)][j]
+        for f in families
+      )
+    ]
+    if same:
+      parts.append(f"{other.removeprefix('tuned at ')} at B={_batch_list(same, batches)}")
+  return f"\n(same as {', '.join(parts)})" if parts else ""
+
+
+# The last protocol (retuned per batch) coincides with one of the others at most batches: its
+# markers are hollow and larger, so that the point it covers shows through.
+HOLLOW = dict(mfc="none", ms=8, mew=1.5)
 
 
 arm_runs = analysis.arm_runs  # the runs an arm reports at a batch (the notebook uses it here)
@@ -202,37 +250,61 @@ def sweep_figure(results: dict, path: str | None = None):
   return fig
 
 
-def paired_differences(results: dict, ax) -> None:
-  """LAMB minus AdamW per tuning protocol against batch size, with 95% bootstrap intervals (black:
+def paired_differences(results: dict, ax, legend: bool = True) -> None:
+  """LAMB minus AdamW per tuning protocol against batch size, with 95% t-intervals over the seeds (black:
   a difference is neither optimizer's line; marker and dashes: the protocol)."""
   diffs = analysis.paired_differences(results)
+  last = len(diffs) - 1
   for k, (protocol, by_batch) in enumerate(diffs.items()):
     bs = sorted(by_batch)
     mean = np.array([by_batch[b]["mean"] for b in bs])
     err = [mean - [by_batch[b]["low"] for b in bs], [by_batch[b]["high"] for b in bs] - mean]
-    ax.errorbar(np.array(bs, float) * 1.03 ** (k - 1), mean, yerr=err, capsize=3, label=protocol,
-                color=str(0.45 * k / 2), marker=MARKERS[k], ls=("-", "-.", ":")[k])  # fmt: skip
+    label = protocol + coinciding(results, report.OPTIMIZERS, protocol)
+    ax.errorbar(np.array(bs, float) * 1.06 ** (k - 1), mean, yerr=err, capsize=3, label=label,
+                color=str(0.45 * k / 2), marker=MARKERS[k], ls=("-", "-.", ":")[k],
+                **(HOLLOW if k == last else {}))  # fmt: skip
   ax.axhline(0, color="k", lw=0.8)
   _log2_batches(ax, results["config"]["batches"])
-  ax.set_ylabel("LAMB − AdamW, final test loss (nats)")
-  ax.set_title("LAMB minus AdamW, paired (95% interval)\nbelow 0: LAMB better")
-  legend_outside(ax, title="both tuned")
+  ax.set_ylabel("LAMB − AdamW (nats)")
+  ax.set_title("LAMB minus AdamW, final test loss, paired (95% t-interval)\nbelow 0: LAMB better")
+  if legend:
+    legend_outside(ax, title="both tuned")
 
 
-def arm_losses(results: dict, ax) -> None:
-  """Each arm's final test loss against batch size, with its 95% bootstrap interval (study)."""
+def arm_losses(results: dict, ax, legend: bool = True) -> None:
+  """Each arm's final test loss against batch size, with its 95% t-interval over the seeds (study)."""
   table = analysis.arm_table(results)
   for k, (arm, by_batch) in enumerate(table.items()):
     bs = sorted(by_batch)
     mean = np.array([by_batch[b]["mean"] for b in bs])
     err = [mean - [by_batch[b]["low"] for b in bs], [by_batch[b]["high"] for b in bs] - mean]
-    x = np.array(bs, float) * 1.025 ** (k - 2.5)
-    ax.errorbar(x, mean, yerr=err, label=arm, capsize=2, ms=4, **arm_style(arm))
+    x = np.array(bs, float) * 1.04 ** (k - 2.5)
+    protocol = arm.split(" ", 1)[1]
+    label = arm + coinciding(results, [report.FAMILY[arm]], protocol)
+    hollow = HOLLOW if protocol == report.PROTOCOLS[-1] else dict(ms=5)
+    ax.errorbar(x, mean, yerr=err, label=label, capsize=2, **arm_style(arm), **hollow)
   _baseline_lines(results, ax)
   _log2_batches(ax, results["config"]["batches"])
   ax.set_ylabel("final test loss (nats)")
-  ax.set_title("Each arm (mean over seeds, 95% interval)")
-  legend_outside(ax)
+  ax.set_title("Each arm, mean over seeds (95% t-interval)")
+  if legend:
+    legend_outside(ax)
+
+
+def headline(results: dict):
+  """The study's figure at the docs' page width: the paired differences above, each arm's loss
+  below, each with its legend under it."""
+  import matplotlib.pyplot as plt
+
+  fig = plt.figure(figsize=(PAGE_WIDTH_IN, 10.5), layout="constrained")
+  top, bottom = fig.subfigures(2, 1, height_ratios=(1, 1.15))
+  ax = top.subplots()
+  paired_differences(results, ax, legend=False)
+  legend_under(top, ax, ncol=3, title="both tuned")
+  ax = bottom.subplots()
+  arm_losses(results, ax, legend=False)
+  legend_under(bottom, ax, ncol=2)
+  return fig
 
 
 def lr_sensitivity(tuning: dict, axes) -> None:

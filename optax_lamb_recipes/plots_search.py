@@ -7,14 +7,25 @@ from __future__ import annotations
 import numpy as np
 
 from optax_lamb_recipes import records, report
-from optax_lamb_recipes.plots import LINE, MARKERS, _baseline_lines, legend_outside, shade, style
+from optax_lamb_recipes.plots import (
+  FONT_PT,
+  LINE,
+  MARKERS,
+  PAGE_WIDTH_IN,
+  _baseline_lines,
+  legend_outside,
+  legend_under,
+  shade,
+  style,
+)
 
 TRIAL_X = {"peak_lr": "peak learning rate", "warmup_frac": "warm-up (fraction of the steps)"}
 
 
-def search_trials(search_results: dict, axes, x: str = "peak_lr") -> None:
+def search_trials(search_results: dict, axes, x: str = "peak_lr", legend: bool = True) -> None:
   """Each trial's final validation loss (first seed) against its peak learning rate (or another
-  ``TRIAL_X`` setting), one panel per searched batch; the chosen trial circled."""
+  ``TRIAL_X`` setting), one panel per searched batch; the chosen trial circled (the legend to the
+  right of each panel, or none without ``legend``)."""
   from matplotlib.ticker import NullFormatter
 
   first = search_results["search"]["seeds"][0]
@@ -39,10 +50,11 @@ def search_trials(search_results: dict, axes, x: str = "peak_lr") -> None:
     ax.set_xscale("log")  # (no baseline: the token-frequency loss is the test split's)
     ax.xaxis.set_minor_formatter(NullFormatter())  # the labels of minor ticks would overlap
     ax.set(xlabel=TRIAL_X[x], ylabel="final validation loss (nats)", title=f"Trials at B={b}")
-    legend_outside(ax)
+    if legend:
+      legend_outside(ax)
 
 
-def chosen_curves(search_results: dict, ax, batch: int) -> None:
+def chosen_curves(search_results: dict, ax, batch: int, legend: bool = True) -> None:
   """Test loss during training of each optimizer's chosen trial at ``batch``, one line per seed
   (shade and marker: the seed)."""
   chosen = {(c["family"], c["batch"]): c["trial"] for c in search_results["chosen"]}
@@ -60,10 +72,39 @@ def chosen_curves(search_results: dict, ax, batch: int) -> None:
   _baseline_lines(search_results, ax)
   ax.set(xlabel="optimizer step", ylabel="test loss (nats)")
   ax.set_title(f"The chosen trials at B={batch}, every seed")
-  legend_outside(ax)
+  if legend:
+    legend_outside(ax)
 
 
-def budget_curves(budget_results: dict, axes, seed: int = 0) -> None:
+def plateau(search_results: dict, stretched: dict | None = None):
+  """The search past the plateau at the docs' page width: every trial's validation loss against
+  its peak learning rate and against its warm-up (one legend for both, under them), with
+  ``stretched`` (a longer-training run of the same batch, budget and first seed, not among the
+  trials) as a star, and the chosen trials' test curves on every seed below."""
+  import matplotlib.pyplot as plt
+
+  (batch,) = search_results["search"]["batches"]
+  fig = plt.figure(figsize=(PAGE_WIDTH_IN, 8.5), layout="constrained")
+  top, bottom = fig.subfigures(2, 1, height_ratios=(1, 1.1))
+  axes = top.subplots(1, 2, sharey=True)
+  search_trials(search_results, axes[:1], legend=False)
+  search_trials(search_results, axes[1:], x="warmup_frac", legend=False)
+  if stretched is not None:
+    xs = stretched["peak_lr"], stretched["hyper"]["warmup_frac"]
+    for ax, x in zip(axes, xs, strict=True):
+      ax.scatter([x], [records.final(stretched, "validation")], marker="*", s=120,
+                 color=shade("lamb", 2, 3), label="LAMB of budget.json (1x search, stretched)")  # fmt: skip
+  axes[1].set_ylabel("")
+  for ax, what in zip(axes, ("learning rate", "warm-up"), strict=True):
+    ax.set_title(f"Trials at B={batch}: {what}", fontsize=FONT_PT + 2)
+  legend_under(top, axes[0], ncol=2)
+  ax = bottom.subplots()
+  chosen_curves(search_results, ax, batch, legend=False)
+  legend_under(bottom, ax, ncol=3)
+  return fig
+
+
+def budget_curves(budget_results: dict, axes, seed: int = 0, legend: bool = True) -> None:
   """Test loss against samples of the searched settings at each sample budget (``budget``):
   ``axes[i][j]`` for optimizer i and batch j; shade and marker: the budget (light: 1x, dark: the
   longest), each curve labelled with its budget at its end; the token-frequency baseline."""
@@ -84,13 +125,36 @@ def budget_curves(budget_results: dict, axes, seed: int = 0) -> None:
           if last.size:
             i = last[-1]
             ax.annotate(f"{m}x", (run[0]["samples"][i], y[i]), xytext=(3, -3),
-                        textcoords="offset points", fontsize=7, color=s["color"])  # fmt: skip
+                        textcoords="offset points", fontsize=FONT_PT, color=s["color"])  # fmt: skip
       _baseline_lines(budget_results, ax)
       ax.set_xscale("log")
       ax.set_ylim(low - 0.1, 6.2)  # the same in every panel; a diverged curve leaves the top
       ax.set(xlabel="training samples", ylabel="test loss (nats)",
              title=f"{report.OPTIMIZERS[family]}, B={b}, seed {seed}")  # fmt: skip
-      legend_outside(ax, title="samples")
+      if legend:
+        legend_outside(ax, title="samples")
+
+
+def budget(budget_results: dict, seed: int = 0):
+  """`budget_curves` at the docs' page width, one legend (each optimizer's budgets) under the
+  panels."""
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(2, 2, figsize=(PAGE_WIDTH_IN, 8), sharey=True, layout="constrained")
+  budget_curves(budget_results, axes, seed, legend=False)
+  handles, labels = [], []
+  for row, family in zip(axes, report.OPTIMIZERS.values(), strict=True):
+    h, lab = row[0].get_legend_handles_labels()
+    handles += h
+    labels += [f"{family} {x}" if x.endswith("x") else x for x in lab]
+  keep = {}  # the baseline once
+  for h, lab in zip(handles, labels, strict=True):
+    keep.setdefault(lab, h)
+  fig.legend(list(keep.values()), list(keep), loc="outside lower center", ncol=4,
+             fontsize=FONT_PT, title="samples (times the search's)")  # fmt: skip
+  for ax in axes[:, 1]:
+    ax.set_ylabel("")
+  return fig
 
 
 def divergence(results: dict, axes) -> None:

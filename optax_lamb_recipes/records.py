@@ -51,7 +51,7 @@ def record(res, factor: float, seed: int, group_seconds: float, keep_ratios: boo
     "group_seconds": group_seconds,
   }
   d["lr_steps"], d["lr"] = _thin(res.lr)
-  if res.test_per_sequence is not None:  # 5 decimals: far below the bootstrap's resolution
+  if res.test_per_sequence is not None:  # 5 decimals: far below the intervals' resolution
     d["test_per_sequence"] = [round(x, 5) for x in res.test_per_sequence]
   if keep_ratios and res.trust_ratios is not None:
     d["trust_ratios"] = {}

@@ -96,15 +96,57 @@ def baselines(results: dict) -> list[str]:
   return lines
 
 
+def columns(results: dict) -> dict[str, str]:
+  """Column label -> the arm it shows: one column per optimizer and distinct choice of factors,
+  so that protocols that chose the same factor at every batch (the same runs) share a column
+  (``AdamW tuned at B_min = retuned per batch``; ``LAMB, every protocol`` where all three do)."""
+  factors = results["chosen_factors"]
+  out = {}
+  for family, name in OPTIMIZERS.items():
+    groups: dict[tuple, list[str]] = {}
+    for protocol in PROTOCOLS:
+      groups.setdefault(tuple(factors[arm_name(family, protocol)]), []).append(protocol)
+    for protocols in groups.values():
+      if len(protocols) == len(PROTOCOLS):
+        label = f"{name}, every protocol"
+      else:
+        label = f"{name} " + " = ".join(protocols)
+      out[label] = arm_name(family, protocols[0])
+  return out
+
+
+def context_free(results: dict) -> float | None:
+  """The context-free (token-frequency) test loss at the sweep's sequence length, if known (keyed
+  by the length as an int in a fresh sweep's results, as a string once read from JSON)."""
+  by_length = {str(k): v for k, v in (results["data"].get("unigram_loss") or {}).items()}
+  return by_length.get(str(results["config"]["seq_len"]))
+
+
+def not_learned(results: dict, margin: float) -> list[tuple[str, int, float | None]]:
+  """``(arm, batch, mean final test loss)`` of every cell of the table that did not end at least
+  ``margin`` nats below the context-free baseline (a diverged one: None); empty without one."""
+  base = context_free(results)
+  if base is None:
+    return []
+  return [
+    (arm, row["batch"], row[arm]["mean"])
+    for row in results["summary"]
+    for arm in columns(results).values()
+    if row[arm]["mean"] is None or row[arm]["mean"] > base - margin
+  ]
+
+
 def format_table(results: dict) -> str:
-  """The summary as a Markdown table, followed by the baselines."""
+  """The summary as a Markdown table (one column per distinct arm, `columns`), followed by the
+  baselines."""
   seeds = len(results["config"]["seeds"])
+  shown = columns(results)
   lines = [
-    "| batch | steps | " + " | ".join(ARMS) + " |",
-    "|---:|---:|" + "---:|" * len(ARMS),
+    "| batch | steps | " + " | ".join(shown) + " |",
+    "|---:|---:|" + "---:|" * len(shown),
   ]
   for r in results["summary"]:
-    cells = " | ".join(format_cell(r[a]) for a in ARMS)
+    cells = " | ".join(format_cell(r[a]) for a in shown.values())
     lines.append(f"| {r['batch']} | {r['steps']} | {cells} |")
   spread = f"mean ± standard deviation over {seeds} seeds" if seeds > 1 else "one seed"
   lines.append(

@@ -9,7 +9,7 @@ Each trial is one random draw, log-uniform in each range of ``SPACES``: the peak
 run's steps, 1 - beta2, the weight decay, and epsilon for AdamW (LAMB keeps the paper's 1e-6).
 Every trial trains the first seed and is scored on the validation split; the best trial of each
 optimizer and batch is then trained on the other seeds, and the two optimizers are compared on
-the test split, paired by seed and test sequence (``analysis.bootstrap``). The results file is
+the test split, paired by seed and test sequence (``analysis.t_interval``). The results file is
 written after every group of runs; running the command again resumes where it stopped.
 """
 
@@ -226,8 +226,8 @@ def format_table(results: dict) -> str:
   """Markdown: per batch, each optimizer's searched loss and the paired difference."""
   lines = [
     f"Random search, {results['search']['trials']} trials per optimizer and batch; final test "
-    "loss of the best trial (nats), mean [95% interval], and LAMB minus AdamW (negative: LAMB "
-    "better):",
+    "loss of the best trial (nats), mean over seeds [95% t-interval] (each seed's), and LAMB minus "
+    "AdamW (negative: LAMB better):",
     "",
     "| batch | LAMB | AdamW | LAMB minus AdamW | seeds |",
     "|---:|---:|---:|---:|---:|",

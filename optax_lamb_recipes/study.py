@@ -8,8 +8,8 @@ optimizer, the factor best at the smallest batch, the one best at the largest, a
 each batch. The square-root rule carries an anchor's factor to the other batches, so each
 optimizer has three arms (``PROTOCOLS``), and LAMB meets AdamW under the same protocol. Every arm
 is trained again on ``seeds`` at every batch and on ``extra_seeds`` at the smallest and largest
-batch; each run keeps its final model's loss on every test sequence, so that comparisons can be
-bootstrapped over seeds and test sequences together (``analysis``). The results file is written
+batch; each run keeps its final model's loss on every test sequence, so that comparisons pair by
+seed and test sequence (``analysis``: t-intervals over the seeds). The results file is written
 after every group of runs; running the command again resumes where it stopped.
 """
 

@@ -271,7 +271,7 @@ class Trainer:
     ``train_data[seq_len]`` is the stream of examples for that sequence length; every run
     reads it from the start, in order, so every batch size sees the same samples.
     ``held_out`` (the validation split) and ``test``, when given, are evaluated together;
-    the final model's loss on each test sequence is kept too (for paired bootstraps).
+    the final model's loss on each test sequence is kept too (for paired comparisons).
     Phase i's peak learning rate is ``peak_lrs[j] * phase.peak_lr / phases[0].peak_lr``.
     ``progress(n)`` is called with the samples trained after each segment.
     ``trials`` (one phase only): per learning rate, a ``warmup_frac`` of the steps and values

@@ -1,4 +1,5 @@
-"""The claim study: which runs it trains, resuming, and its paired two-level bootstrap."""
+"""The claim study: which runs it trains, resuming, its paired intervals and the two-level
+bootstrap (kept for one run's test-set sampling error; the verdicts use `analysis.t_interval`)."""
 
 import dataclasses
 import json

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from helpers.recipes import TINY_SWEEP as _TINY_SWEEP
 from optax_lamb_recipes import presets, report, splits, sweep
 
 pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tuning_run(family, batch, factor, validation, test):
@@ -145,3 +148,87 @@ def test_help_shows_each_options_default_and_never_none(quick, monkeypatch, caps
   assert f"the preset (default: {cfg.name})" in text
   batches = " ".join(str(b) for b in cfg.batches)
   assert f"override the batch sizes (default: the preset's; {cfg.name}: {batches})" in text
+
+
+def _summarized(factors: dict, tests: dict) -> dict:
+  """A one-seed sweep at batches 16 and 32 whose arms chose ``factors``; ``tests``:
+  (family, batch, factor) -> final test loss."""
+  cfg = dataclasses.replace(_TINY_SWEEP, seeds=(0,), lamb_grid=(0.5, 1.0), adamw_grid=(0.5, 1.0))
+  runs = [
+    {"family": f, "batch": b, "factor": x, "seed": 0, "steps": 64 // b, "peak_lr": x, "test": [t]}
+    for (f, b, x), t in tests.items()
+  ]
+  results = {"config": dataclasses.asdict(cfg), "runs": runs, "chosen_factors": factors}
+  results["data"] = {"unigram_loss": {str(cfg.seq_len): 6.0}}
+  results["summary"] = report.summarize(results)
+  return results
+
+
+def test_table_merges_the_protocols_that_chose_the_same_runs_and_flags_runs_that_did_not_learn():
+  factors = {
+    "LAMB tuned at B_min": [1.0, 1.0], "LAMB tuned at B_max": [1.0, 1.0],
+    "LAMB retuned per batch": [1.0, 1.0],
+    "AdamW tuned at B_min": [0.5, 0.5], "AdamW tuned at B_max": [1.0, 1.0],
+    "AdamW retuned per batch": [0.5, 1.0],
+  }  # fmt: skip
+  tests = {
+    ("lamb", 16, 1.0): 5.5, ("lamb", 32, 1.0): 5.6,
+    ("adamw", 16, 0.5): 5.7, ("adamw", 32, 0.5): 5.95, ("adamw", 16, 1.0): 5.8,
+    ("adamw", 32, 1.0): 5.92,
+  }  # fmt: skip
+  results = _summarized(factors, tests)
+  assert list(report.columns(results)) == [
+    "LAMB, every protocol", "AdamW tuned at B_min", "AdamW tuned at B_max",
+    "AdamW retuned per batch",
+  ]  # fmt: skip
+  header = report.format_table(results).splitlines()[0]
+  assert header.count("LAMB") == 1 and header.count("AdamW") == 3
+  # 5.95 and 5.92 are within 0.1 nats of the baseline (6.0); 5.8 is not
+  assert report.not_learned(results, 0.1) == [
+    ("AdamW tuned at B_min", 32, 5.95), ("AdamW tuned at B_max", 32, 5.92),
+    ("AdamW retuned per batch", 32, 5.92),
+  ]  # fmt: skip
+  said = sweep.learned_line(results)
+  assert said.startswith("NOT LEARNED") and "AdamW tuned at B_min at B=32 (5.950)" in said
+  factors["AdamW retuned per batch"] = [0.5, 0.5]  # now the same runs as tuned at B_min
+  results = _summarized(factors, {k: v - 0.5 for k, v in tests.items()})
+  assert "AdamW tuned at B_min = retuned per batch" in report.columns(results)
+  assert sweep.learned_line(results).startswith("Every run in the table learned")
+  results["data"]["unigram_loss"] = {results["config"]["seq_len"]: 6.0}  # a fresh run's int key
+  assert sweep.learned_line(results).startswith("Every run in the table learned")
+  text = sweep.caveats(results)
+  assert "one seed, no interval" in text and "batch grows from 16 to 32" in text
+
+
+MAIN_JOB_START = "<!-- the main job's output: tests/recipes/test_sweep.py runs it and compares -->"
+MAIN_JOB_END = "<!-- end the main job's output -->"
+LOSS = re.compile(r"\d+\.\d{3}(?= \(lr )")
+
+
+def _committed_main_job_output() -> list[str]:
+  with open(os.path.join(ROOT, "docs", "recipe.md")) as f:
+    text = f.read()
+  block = text.split(MAIN_JOB_START)[1].split(MAIN_JOB_END)[0]
+  return [line for line in block.splitlines() if line and not line.startswith("```")]
+
+
+def test_the_main_job_learns_in_every_cell_and_prints_the_committed_table(
+  tmp_path, monkeypatch, capsys
+):
+  """The README's main job (the quick preset, minutes): a fresh run prints the table committed in
+  docs/recipe.md (the same columns, steps and learning rates; losses within 0.01 nats, the
+  rounding of float32 sums on other CPUs), says every run learned, and what the table cannot
+  show."""
+  monkeypatch.delenv("LAMB_QUICK", raising=False)
+  monkeypatch.chdir(tmp_path)
+  sweep.main(["--no-progress", "--plot", ""])
+  printed = [line for line in capsys.readouterr().out.splitlines() if line]
+  want = _committed_main_job_output()
+  got = printed[printed.index(want[0]) : printed.index(want[0]) + len(want)]
+  assert len(got) == len(want)
+  for line, expected in zip(got, want, strict=True):
+    assert LOSS.sub("x", line) == LOSS.sub("x", expected), line
+    for a, b in zip(LOSS.findall(line), LOSS.findall(expected), strict=True):
+      assert float(a) == pytest.approx(float(b), abs=0.01), line
+  assert any(line.startswith("Every run in the table learned") for line in got)
+  assert any(line.startswith("What it shows") for line in got)

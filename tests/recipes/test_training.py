@@ -58,7 +58,7 @@ def test_warmup_poly_decay_accepts_traced_arguments():
 def test_sqrt_scaling_and_constant_warmup_steps():
   assert schedules.sqrt_scaled_lr(5e-3, 32768, 512) == pytest.approx(5e-3 / 8)
   assert schedules.sqrt_scaled_lr(1e-3, 16, 64) == pytest.approx(2e-3)
-  cfg = presets.PRESETS["quick"]
+  cfg = presets.PRESETS["claim"]  # batches 16 to 512
   phases = {b: presets.phases_for(cfg, b, 1.0)[0] for b in cfg.batches}
   assert len({p.warmup_steps for p in phases.values()}) == 1  # same steps at every batch
   assert phases[512].warmup_steps == round(cfg.warmup_frac * phases[512].steps)
