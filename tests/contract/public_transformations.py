@@ -14,6 +14,7 @@ exclusion still holds (the clear error, or the difference), so no check is skipp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -67,6 +68,9 @@ class Entry:
   # how optax.MultiSteps(every 2) goes with it, given `numbers` (None: MultiSteps around it)
   multi_steps: Callable[..., optax.GradientTransformation] | None = None
   exclusions: dict[str, Exclusion] = dataclasses.field(default_factory=dict)
+  # inject_hyperparams' static_args: a dtype such as jnp.int8 is callable, so it would be taken
+  # for a schedule, called with the step count, and reach the constructor as an array
+  static_args: tuple[str, ...] = ()
 
   def transformation(self) -> optax.GradientTransformation:
     return self.build(**self.numbers)
@@ -115,11 +119,22 @@ _MULTI_STEPS_OUTSIDE_OFFLOAD = Exclusion(
   TypeError, "cond branches must have equal output types",
 )  # fmt: skip
 
+_LAMB_NUMBERS = {
+  "learning_rate": 2e-2, "b1": 0.8, "b2": 0.99, "eps": 1e-4, "eps_root": 1e-8,
+  "weight_decay": 0.1, "min_trust_ratio": 0.5, "max_trust_ratio": 0.7, "max_grad_norm": 0.5,
+  "grad_scale": 4.0,
+}  # fmt: skip
+_lamb_fused_wrappers = functools.partial(optax_lamb.lamb, skip_nonfinite=True, master_weights=True)
+_lamb_8bit = functools.partial(optax_lamb.lamb, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
+
 ENTRIES = (
-  Entry("lamb", optax_lamb.lamb, params_copies=2, numbers={
-    "learning_rate": 2e-2, "b1": 0.8, "b2": 0.99, "eps": 1e-4, "eps_root": 1e-8,
-    "weight_decay": 0.1, "min_trust_ratio": 0.5, "max_trust_ratio": 0.7, "max_grad_norm": 0.5,
-    "grad_scale": 4.0}),
+  Entry("lamb", optax_lamb.lamb, params_copies=2, numbers=_LAMB_NUMBERS),
+  # lamb's own skipping and master weights (fused into its step): the master copy, two moments
+  Entry("lamb(skip_nonfinite, master_weights)", _lamb_fused_wrappers, params_copies=3,
+        constructor=optax_lamb.lamb, numbers=_LAMB_NUMBERS),
+  # 8-bit moments: each a QuantizedMoment (codes shaped like the param, block scales)
+  Entry("lamb(mu_dtype=int8, nu_dtype=uint8)", _lamb_8bit, params_copies=2,
+        constructor=optax_lamb.lamb, numbers=_LAMB_NUMBERS, static_args=("mu_dtype", "nu_dtype")),
   Entry("scale_by_adam", optax_lamb.scale_by_adam, params_copies=2, numbers={
     "b1": 0.8, "b2": 0.99, "eps": 1e-4, "eps_root": 1e-8}),
   Entry("add_decayed_weights", optax_lamb.add_decayed_weights, params_copies=0,
