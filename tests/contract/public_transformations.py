@@ -26,8 +26,15 @@ import optax
 import optax_lamb
 from optax_lamb import compat
 
-CHECKS = ("pure_init", "jit", "inject_hyperparams", "multi_steps", "tree_map_params", "dtypes",
-          "sharding")  # fmt: skip
+CHECKS = (
+  "pure_init",
+  "jit",
+  "inject_hyperparams",
+  "multi_steps",
+  "tree_map_params",
+  "dtypes",
+  "sharding",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +123,22 @@ _BETAS = "a pair: inject_hyperparams injects numbers only and keeps a tuple as a
 # says to put MultiSteps inside (`multi_steps` below), which the check runs instead.
 _MULTI_STEPS_OUTSIDE_OFFLOAD = Exclusion(
   "MultiSteps around offload: its lax.cond mixes host and device memory",
-  TypeError, "cond branches must have equal output types",
-)  # fmt: skip
+  TypeError,
+  "cond branches must have equal output types",
+)
 
 _LAMB_NUMBERS = {
-  "learning_rate": 2e-2, "b1": 0.8, "b2": 0.99, "eps": 1e-4, "eps_root": 1e-8,
-  "weight_decay": 0.1, "min_trust_ratio": 0.5, "max_trust_ratio": 0.7, "max_grad_norm": 0.5,
+  "learning_rate": 2e-2,
+  "b1": 0.8,
+  "b2": 0.99,
+  "eps": 1e-4,
+  "eps_root": 1e-8,
+  "weight_decay": 0.1,
+  "min_trust_ratio": 0.5,
+  "max_trust_ratio": 0.7,
+  "max_grad_norm": 0.5,
   "grad_scale": 4.0,
-}  # fmt: skip
+}
 _lamb_fused_wrappers = functools.partial(optax_lamb.lamb, skip_nonfinite=True, master_weights=True)
 _lamb_8bit = functools.partial(optax_lamb.lamb, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
 

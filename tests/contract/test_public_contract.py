@@ -72,9 +72,11 @@ def _assert_updates_close(got, want, params, rtol: float) -> None:
   chex.assert_trees_all_equal_structs(got, want, params)
   chex.assert_trees_all_equal_dtypes(got, want)
   for (path, g), w, p in zip(
-    jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), jax.tree.leaves(params),
+    jax.tree_util.tree_flatten_with_path(got)[0],
+    jax.tree.leaves(want),
+    jax.tree.leaves(params),
     strict=True,
-  ):  # fmt: skip
+  ):
     scale = max(
       np.max(np.abs(np.asarray(w, np.float64))), np.max(np.abs(np.asarray(p, np.float64)))
     )
@@ -108,8 +110,14 @@ def test_the_list_names_every_public_transformation():
   from optax_lamb import compat
 
   listed = {e.constructor or e.build for e in ENTRIES}
-  not_transformations = {"master_weights", "skip_counts", "spike_stats", "trust_ratios",
-                         "update_and_apply", "compat"}  # fmt: skip
+  not_transformations = {
+    "master_weights",
+    "skip_counts",
+    "spike_stats",
+    "trust_ratios",
+    "update_and_apply",
+    "compat",
+  }
   for name in optax_lamb.__all__:
     value = getattr(optax_lamb, name)
     if name in not_transformations or isinstance(value, type):
@@ -238,10 +246,11 @@ def check_sharding(entry: Entry, rng) -> None:
   specs = {"w": P("d"), "b": P()}
   params, grads = _params_and_grads(rng, 1)
   with jax.set_mesh(mesh):
-    params, grad = jax.tree.map(
-      lambda tree: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs),
-      (params, grads[0]), is_leaf=lambda x: x is params or x is grads[0],
-    )  # fmt: skip
+    placed = [
+      {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in tree.items()}
+      for tree in (params, grads[0])
+    ]
+    params, grad = placed
     tx = entry.transformation()
     state = tx.init(params)
     at_init = jax.tree.map(jax.typeof, state)
@@ -277,10 +286,13 @@ def test_jit_update_equals_eager_update(entry: Entry, rng):
 
 
 _INJECTIONS = [
-  pytest.param(e, i, id=e.name if not n else f"{e.name}-{'-'.join(e.more_injections[n - 1].numbers)}")
-  for e in ENTRIES if "inject_hyperparams" not in e.exclusions
+  pytest.param(
+    e, i, id=e.name if not n else f"{e.name}-{'-'.join(e.more_injections[n - 1].numbers)}"
+  )
+  for e in ENTRIES
+  if "inject_hyperparams" not in e.exclusions
   for n, i in enumerate(e.injections())
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("entry,injection", _INJECTIONS)
@@ -290,8 +302,12 @@ def test_inject_hyperparams_on_every_numeric_argument(entry: Entry, injection: I
 
 @pytest.mark.parametrize(
   "entry",
-  [pytest.param(e, id=e.name) for e in ENTRIES if "multi_steps" not in e.exclusions or e.multi_steps],
-)  # fmt: skip
+  [
+    pytest.param(e, id=e.name)
+    for e in ENTRIES
+    if "multi_steps" not in e.exclusions or e.multi_steps
+  ],
+)
 def test_multi_steps_of_two_equal_one_step_on_the_mean_gradient(entry: Entry, rng):
   check_multi_steps(entry, rng)
 
