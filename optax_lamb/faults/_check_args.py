@@ -67,7 +67,10 @@ def check_positive(name: str, value: Any, *, schedule: bool = False) -> None:
 
 
 def check_count(name: str, value: Any) -> None:
-  """An integer >= 0 (Python or NumPy; not a bool)."""
+  """An integer >= 0 (Python or NumPy; not a bool), or a scalar integer jax array (only its
+  shape and dtype: it may be a tracer, as ``optax.inject_hyperparams`` passes it)."""
+  if isinstance(value, jax.Array) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
+    return
   if isinstance(value, _BOOLS) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{name} must be an integer >= 0, got {name}={value!r}")
   if value < 0:
