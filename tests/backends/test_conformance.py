@@ -29,6 +29,16 @@ class TestPallasCompiled(Conformance):
   IMPLEMENTATION = "pallas-compiled"
 
 
+@pytest.mark.slow  # the Mosaic GPU kernels' logic in interpret mode (CI runs it)
+class TestPallasMosaicGpuInterpret(Conformance):
+  IMPLEMENTATION = "pallas-mosaic-gpu"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
+class TestPallasMosaicGpuCompiled(Conformance):
+  IMPLEMENTATION = "pallas-mosaic-gpu-compiled"
+
+
 class TestReference(Conformance):
   IMPLEMENTATION = "reference"
 
