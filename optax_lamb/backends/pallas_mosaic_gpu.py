@@ -18,9 +18,8 @@ What a chunk computes is the driver's (`passes.pass1_chunk`,
 so that the step runs on XLA with the reason: 8-bit moments (the Triton
 kernels take them), and what the driver declines for every GPU backend.
 
-Without a GPU the kernels run in Pallas interpret mode (``interpret=True``,
-which ignores the compiler parameters); Mosaic GPU's own interpreter
-(``InterpretGPUParams`` in jax 0.10.2) takes only whole-array windows.
+Without a GPU the kernels run in Pallas interpret mode (``interpret=True``); Mosaic GPU's own
+interpreter (``InterpretGPUParams``, jax 0.10.2) takes only whole-array windows.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from optax_lamb._options import LambOptions, ScalarLayout
 from optax_lamb._plan import LeafArrays, LeafPlan, StepPlan
 from optax_lamb._quantize import QuantizedMoment
 from optax_lamb.backends.gpu import arrays, passes, tables
@@ -130,9 +128,10 @@ def _pass1_kernel(scalars_ref, *refs, leaf, block, options, scalar_layout, inter
 
 
 def _pass2_kernel(
-  scalars_ref, ratios_ref, *refs, leaf, options, scalar_layout, apply, interpret
+  scalars_ref, ratios_ref, *refs, leaf, options, scalar_layout, apply, interpret, block
 ) -> None:
   """The chunk's update (or new params), and its new moments where computed from g."""
+  del block  # the windows' size
   names = passes.input_names(leaf)
   ins, outs = dict(zip(names, refs, strict=False)), refs[len(names) :]
   s = tables.load_scalars(scalars_ref, scalar_layout)
@@ -143,88 +142,72 @@ def _pass2_kernel(
     ref[...] = result[name].astype(ref.dtype)
 
 
-def _call(kernel, operands, outputs, *, leaf, sizes, interpret, whole, aliases, name, out_specs):
-  """One ``pallas_call`` of `kernel` over a leaf's chunks, `whole` operands first (in SMEM)."""
-  chunks = -(-leaf.length // sizes.block)
+def _call(
+  kernel,
+  whole: tuple,
+  rows: list,
+  outputs: list,
+  out_specs: list,
+  aliases: dict,
+  *,
+  name: str,
+  leaf: LeafPlan,
+  sizes: MosaicBlockSizes,
+  interpret: bool,
+  **static,
+) -> list:
+  """One ``pallas_call`` of `kernel` over a leaf's chunks: `whole` operands (small vectors, in
+  SMEM), then the leaf's `rows` in windows; `static` and the launch's own go to the kernel."""
   params = plgpu.CompilerParams(max_concurrent_steps=sizes.max_concurrent_steps)
   smem = pl.BlockSpec(memory_space=plgpu.SMEM)
+  static.update(leaf=leaf, block=sizes.block, interpret=interpret)
   return pl.pallas_call(
-    kernel,
-    grid=(leaf.slices, chunks),
-    in_specs=[smem] * whole + [_window(sizes.block)] * (len(operands) - whole),
+    functools.partial(kernel, **static),
+    grid=(leaf.slices, -(-leaf.length // sizes.block)),
+    in_specs=[smem] * len(whole) + [_window(sizes.block)] * len(rows),
     out_specs=out_specs,
     out_shape=outputs,
     input_output_aliases=aliases,
     compiler_params=params,
     interpret=interpret,
     name=name,
-  )(*operands)
+  )(*(_padded(x, LANES // 4) for x in whole), *rows)
 
 
 _STATIC = ("leaf", "options", "scalar_layout", "sizes", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def moments_and_norms(scalars, x: dict, *, leaf, options, scalar_layout, sizes, interpret):
+def moments_and_norms(scalars, x: dict, **static) -> tuple[dict, jax.Array]:
   """Pass 1 over one leaf (`x`: flat {g, m, p, v}): ({m, v} or {}, partials [6, programs])."""
+  leaf, block = static["leaf"], static["sizes"].block
   rows = [_tiles(x[name], leaf) for name in passes.PASS1_INPUTS]
-  writes = passes.writes_moments(leaf)
-  programs = leaf.slices * -(-leaf.length // sizes.block)
+  writes, chunks = passes.writes_moments(leaf), -(-leaf.length // block)
   moments = [arrays.out_like(rows[i]) for i in (1, 3)] if writes else []
-  parts = arrays.out_struct((programs, LANES), jnp.float32, rows[2])
-  chunks = programs // leaf.slices
+  parts = arrays.out_struct((leaf.slices * chunks, LANES), jnp.float32, rows[2])
   part_spec = pl.BlockSpec((pl.squeezed, LANES), lambda s, k: (s * chunks + k, 0))
-  kernel = functools.partial(
-    _pass1_kernel,
-    leaf=leaf,
-    block=sizes.block,
-    options=options,
-    scalar_layout=scalar_layout,
-    interpret=interpret,
-  )
+  specs = [_window(block)] * len(moments) + [part_spec]
+  aliases = {2: 0, 4: 1} if writes else {}  # m', v' over m, v (after the scalars and g)
+  name = "lamb_mosaic_moments_and_norms"
   *written, partials = _call(
-    kernel,
-    (_padded(scalars, LANES // 4), *rows),
-    (*moments, parts),
-    leaf=leaf,
-    sizes=sizes,
-    interpret=interpret,
-    whole=1,
-    aliases={2: 0, 4: 1} if writes else {},  # m', v' over m, v
-    out_specs=[_window(sizes.block)] * len(moments) + [part_spec],
-    name="lamb_mosaic_moments_and_norms",
+    _pass1_kernel, (scalars,), rows, [*moments, parts], specs, aliases, name=name, **static
   )
   named = {n: _untiled(a, leaf) for n, a in zip("mv", written, strict=False)}
   return named, partials[:, :PARTS].T
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "apply"))
-def updates(scalars, ratios, x: dict, *, leaf, options, scalar_layout, apply, sizes, interpret):
+def updates(scalars, ratios, x: dict, **static) -> dict:
   """Pass 2 over one leaf (`x`: flat `passes.input_names`): {out} or {out, m, v}."""
-  names = passes.input_names(leaf)
+  leaf, apply = static["leaf"], static["apply"]
+  names, like = passes.input_names(leaf), passes.outputs_like(leaf)
   rows = [_tiles(x[name], leaf) for name in names]
-  like = passes.outputs_like(leaf)
   outputs = [arrays.out_like(rows[names.index(like[name])]) for name in like]
   aliases = {2 + names.index(like[n]): i for i, n in enumerate(like) if n != "out" or apply}
-  kernel = functools.partial(
-    _pass2_kernel,
-    leaf=leaf,
-    options=options,
-    scalar_layout=scalar_layout,
-    apply=apply,
-    interpret=interpret,
-  )
+  specs = [_window(static["sizes"].block)] * len(outputs)
+  name = "lamb_mosaic_apply" if apply else "lamb_mosaic_updates"
   results = _call(
-    kernel,
-    (_padded(scalars, LANES // 4), _padded(ratios, LANES // 4), *rows),
-    outputs,
-    leaf=leaf,
-    sizes=sizes,
-    interpret=interpret,
-    whole=2,
-    aliases=aliases,
-    out_specs=[_window(sizes.block)] * len(outputs),
-    name="lamb_mosaic_apply" if apply else "lamb_mosaic_updates",
+    _pass2_kernel, (scalars, ratios), rows, outputs, specs, aliases, name=name, **static
   )
   return {name: _untiled(a, leaf) for name, a in zip(like, results, strict=True)}
 
@@ -244,31 +227,17 @@ class MosaicKernels:
       )
     return None
 
-  def moments_and_norms(
-    self, scalars, leaves: list[dict], *, table, options: LambOptions, scalar_layout: ScalarLayout
-  ) -> tuple[list[dict], jax.Array]:
+  def moments_and_norms(self, scalars, leaves: list[dict], *, table, **static) -> tuple:
     ((c,), (x,)) = table, leaves
-    launch = dict(options=options, scalar_layout=scalar_layout, **self._launch())
-    written, partials = moments_and_norms(scalars, x, leaf=c.leaf, **launch)
+    written, partials = moments_and_norms(scalars, x, leaf=c.leaf, **static, **self._launch())
     return [written], partials
 
   def slice_sums(self, starts: list[int], counts: list[int], partials: jax.Array) -> tuple:
     return passes.slice_sums_reference(starts, counts, partials)
 
-  def updates(
-    self,
-    scalars,
-    ratios,
-    leaves: list[dict],
-    *,
-    table,
-    options: LambOptions,
-    scalar_layout: ScalarLayout,
-    apply: bool,
-  ) -> list[dict]:
+  def updates(self, scalars, ratios, leaves: list[dict], *, table, **static) -> list[dict]:
     ((c,), (x,)) = table, leaves
-    launch = dict(options=options, scalar_layout=scalar_layout, apply=apply, **self._launch())
-    return [updates(scalars, ratios, x, leaf=c.leaf, **launch)]
+    return [updates(scalars, ratios, x, leaf=c.leaf, **static, **self._launch())]
 
   def _launch(self) -> dict:
     return {"sizes": self.sizes, "interpret": self.interpret}
@@ -320,7 +289,7 @@ def _lower_sqrt_where_jax_does_not() -> None:
   if rules is None or lax.sqrt_p in rules:
     return
 
-  def sqrt(ctx, x, accuracy=None):
+  def sqrt(ctx, x, accuracy=None) -> object:
     if accuracy is not None:
       raise NotImplementedError("sqrt with an accuracy")
     return lowering._ensure_fa(x, ctx.avals_in[0].dtype)._pointwise(mlir_math.sqrt)
