@@ -12,11 +12,9 @@ zero-fills what a window reads past an array's end and drops what it writes
 there, so there are no masked loads; the kernels mask the partial sums with an
 iota of the element's position.
 
-What a chunk computes is the driver's (`passes.pass1_chunk`,
-`passes.leaf_step`); the slice sums are `passes.slice_sums_reference` in XLA
-(static slices: a fixed order, no atomics; a few floats a chunk). Declined,
-so that the step runs on XLA with the reason: 8-bit moments (the Triton
-kernels take them), and what the driver declines for every GPU backend.
+What a chunk computes is the driver's (`passes`); the slice sums are XLA's static-slice sums (a
+fixed order, no atomics; a few floats a chunk). Declined (the step runs on XLA, saying why): 8-bit
+moments (the Triton kernels take them), and what the driver declines for every GPU backend.
 
 Without a GPU the kernels run in Pallas interpret mode (``interpret=True``); Mosaic GPU's own
 interpreter (``InterpretGPUParams``, jax 0.10.2) takes only whole-array windows.
@@ -68,9 +66,11 @@ class MosaicBlockSizes:
         raise ValueError(f"{name}={value!r} must be an int >= {low}")
 
 
-def _padded(x: jax.Array, size: int) -> jax.Array:
-  """A 1-D vector zero-padded to a multiple of `size` (whole-array copies move 128 bytes)."""
-  return jnp.pad(x, (0, -x.shape[0] % size))
+def _padded(x: jax.Array, rows: bool = False) -> jax.Array:
+  """A small vector for SMEM: padded to 128 bytes, or to `rows` of `LANES` (256 a copy at most)."""
+  size = LANES if rows else LANES // 4
+  x = jnp.pad(x, (0, -x.shape[0] % size))
+  return x.reshape(-1, LANES) if rows else x
 
 
 def _tiles(x: jax.Array, leaf: LeafPlan) -> jax.Array:
@@ -135,7 +135,8 @@ def _pass2_kernel(
   names = passes.input_names(leaf)
   ins, outs = dict(zip(names, refs, strict=False)), refs[len(names) :]
   s = tables.load_scalars(scalars_ref, scalar_layout)
-  ratio = ratios_ref[leaf.ratio_offset + pl.program_id(0)] if leaf.adapt else None
+  slice_ = pl.program_id(0)  # its ratio: of this leaf's, `LANES` a row
+  ratio = ratios_ref[jax.lax.div(slice_, LANES), jax.lax.rem(slice_, LANES)] if leaf.adapt else None
   x = {name: _load(ref, interpret) for name, ref in ins.items()}
   result = passes.leaf_step(options, s, leaf, x, ratio, apply=apply, kernel=True)
   for ref, name in zip(outs, passes.outputs_like(leaf), strict=True):
@@ -158,7 +159,6 @@ def _call(
 ) -> list:
   """One ``pallas_call`` of `kernel` over a leaf's chunks: `whole` operands (small vectors, in
   SMEM), then the leaf's `rows` in windows; `static` and the launch's own go to the kernel."""
-  params = plgpu.CompilerParams(max_concurrent_steps=sizes.max_concurrent_steps)
   smem = pl.BlockSpec(memory_space=plgpu.SMEM)
   static.update(leaf=leaf, block=sizes.block, interpret=interpret)
   return pl.pallas_call(
@@ -168,10 +168,10 @@ def _call(
     out_specs=out_specs,
     out_shape=outputs,
     input_output_aliases=aliases,
-    compiler_params=params,
+    compiler_params=plgpu.CompilerParams(max_concurrent_steps=sizes.max_concurrent_steps),
     interpret=interpret,
     name=name,
-  )(*(_padded(x, LANES // 4) for x in whole), *rows)
+  )(*whole, *rows)
 
 
 _STATIC = ("leaf", "options", "scalar_layout", "sizes", "interpret")
@@ -190,7 +190,7 @@ def moments_and_norms(scalars, x: dict, **static) -> tuple[dict, jax.Array]:
   aliases = {2: 0, 4: 1} if writes else {}  # m', v' over m, v (after the scalars and g)
   name = "lamb_mosaic_moments_and_norms"
   *written, partials = _call(
-    _pass1_kernel, (scalars,), rows, [*moments, parts], specs, aliases, name=name, **static
+    _pass1_kernel, (_padded(scalars),), rows, [*moments, parts], specs, aliases, name=name, **static
   )
   named = {n: _untiled(a, leaf) for n, a in zip("mv", written, strict=False)}
   return named, partials[:, :PARTS].T
@@ -206,9 +206,9 @@ def updates(scalars, ratios, x: dict, **static) -> dict:
   aliases = {2 + names.index(like[n]): i for i, n in enumerate(like) if n != "out" or apply}
   specs = [_window(static["sizes"].block)] * len(outputs)
   name = "lamb_mosaic_apply" if apply else "lamb_mosaic_updates"
-  results = _call(
-    _pass2_kernel, (scalars, ratios), rows, outputs, specs, aliases, name=name, **static
-  )
+  own = _padded(ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices], rows=True)
+  whole = (_padded(scalars), own)
+  results = _call(_pass2_kernel, whole, rows, outputs, specs, aliases, name=name, **static)
   return {name: _untiled(a, leaf) for name, a in zip(like, results, strict=True)}
 
 

@@ -126,6 +126,20 @@ def test_the_step_lowers_for_cuda(fused):
   assert kernels == {"moments_and_norms", "apply" if fused else "updates"}, kernels
 
 
+def test_more_ratio_slots_than_a_tma_copy_moves_lower_for_cuda():
+  """A TMA copy moves at most 256 elements along a dimension: a tree of 300 leaves and a leaf of
+  300 stacked slices (each slice's ratio read from its leaf's rows of 128) still lower."""
+  params = {f"w{i:03d}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(300)}
+  params["stack"] = jax.ShapeDtypeStruct((300, 8), jnp.float32)
+  backend = PallasMosaicGpuBackend(block_sizes=MOSAIC_BLOCKS, interpret=False)
+  stacked = {name: int(name == "stack") for name in params}
+  tx = optax_lamb.lamb(1e-2, implementation=backend, stacked_axes=stacked)
+  state = jax.eval_shape(tx.init, params)
+  step = lambda g, s, p: tx.update.fused_apply(g, s, p)  # every pass 2 in a kernel
+  lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=("cuda",))
+  assert len(re.findall(r"custom_call @mosaic_gpu_v2", lowered.as_text())) == 2 * 301
+
+
 def test_8bit_moments_are_declined_and_run_on_xla(rng):
   params = {"w": jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)}
   grads = {"w": jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)}
