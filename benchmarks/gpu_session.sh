@@ -15,6 +15,8 @@
 #   tests_rest     the rest of the compiled tests and the dispatcher's
 #   bench_many     1,000 leaves of 1,000 (XLA alone compiles such a step for minutes): its own call
 #   tuning, pretrain  launch configurations; the pretrain command's tokens/s: calls of their own
+#   mosaic         BERT-large: Mosaic GPU against Triton and XLA (device-only, end to end, B/param),
+#                  compiled one at a time; then tests_mosaic, its compiled kernel and conformance tests
 # Default: what the H200 session of 2026-11-27 (e99601a) did not reach, in one call of about 9
 # minutes: versions bench_narrow bench_offload. Then, in the same lease (the machine stays warm 30 s):
 #   bash benchmarks/gpu_session.sh tests_short tests_rest   (37 short tests took over 180 s)
@@ -122,6 +124,18 @@ stage tuning 500 python3 -m benchmarks.pallas_tuning $TUNING_FLAGS \
 # shellcheck disable=SC2086
 stage pretrain 500 python3 -m optax_lamb_recipes.pretrain.bench $PRETRAIN_FLAGS --opts lamb adamw \
   --json "$OUT/pretrain_bench.json"
+
+# The Mosaic GPU kernels (implementation="pallas_mosaic_gpu", compute capability 9.0+) beside the
+# Triton kernels and the XLA path, each compiled alone (its compile time is a figure), then their
+# compiled tests. Issue 52 asks Mosaic GPU within 5% of Triton's device time, compile no slower.
+# shellcheck disable=SC2086
+stage mosaic 500 python3 -m benchmarks.step $BENCH_FLAGS --compile-threads 1 --cases $LARGE \
+  --impls optax.lamb pallas.lamb pallas_mosaic_gpu.lamb pallas.apply pallas_mosaic_gpu.apply \
+  xla.lamb --json "$OUT/gpu_mosaic.json"
+# shellcheck disable=SC2086
+stage tests_mosaic 300 $PYTEST -m "slow or not slow" -k "not Interpret and not twins" \
+  tests/backends/test_pallas_mosaic_gpu.py \
+  tests/backends/test_conformance.py::TestPallasMosaicGpuCompiled
 
 echo "done $(date -u +%H:%M:%S), status $status; files in $OUT:" && ls -l "$OUT"
 exit "$status"

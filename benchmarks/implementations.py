@@ -66,6 +66,17 @@ IMPLEMENTATIONS: dict[str, tuple[str, Callable, Callable]] = {
   # interpret mode, so only with --quick there.
   "pallas.lamb": ("ours", optax_lamb_builder(implementation="pallas"), update_then_apply),
   "pallas.apply": ("ours", optax_lamb_builder(implementation="pallas"), update_and_apply),
+  # The Mosaic GPU kernels (compute capability 9.0 and newer; interpret mode elsewhere).
+  "pallas_mosaic_gpu.lamb": (
+    "ours",
+    optax_lamb_builder(implementation="pallas_mosaic_gpu"),
+    update_then_apply,
+  ),
+  "pallas_mosaic_gpu.apply": (
+    "ours",
+    optax_lamb_builder(implementation="pallas_mosaic_gpu"),
+    update_and_apply,
+  ),
   # bfloat16 moments: 20 instead of 28 bytes per parameter to move at the floor.
   "optax_lamb.lamb-bf16": ("ours-bf16", optax_lamb_builder(**BF16_MOMENTS), update_then_apply),
   "update_and_apply-bf16": ("ours-bf16", optax_lamb_builder(**BF16_MOMENTS), update_and_apply),

@@ -5,8 +5,10 @@ scalars, per-leaf plans) and the leaves' arrays, returns a `StepResult` (updates
 or new params, new moments, the ratio vector), and says through the
 `optax_lamb.step._registry.Backend` protocol where ``auto`` takes it (`auto_reason`)
 and which steps it cannot take (`unsupported_reason`): `xla.XlaBackend` (runs
-everywhere) and `pallas_triton.PallasTritonBackend` (Triton kernels; imported
-only when used), whose step `per_device` runs on each device's shards under
+everywhere), and the GPU backends on the shared driver `gpu` (each a kernel set:
+`pallas_triton.PallasTritonBackend`, Triton kernels, and
+`pallas_mosaic_gpu.PallasMosaicGpuBackend`, Mosaic GPU kernels; imported only
+when used), whose step `per_device` runs on each device's shards under
 ``jax.jit`` (a ``pallas_call`` is opaque to XLA's partitioner). A configured
 instance may be passed as ``lamb(..., implementation=backend)``.
 

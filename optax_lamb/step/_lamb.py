@@ -92,7 +92,8 @@ def lamb(
       ``shard_map``, else the XLA path; the rules are in ``optax_lamb/step/_registry.py``),
       ``"xla"`` (two fused passes over memory per leaf), ``"pallas_triton"``
       (alias ``"pallas"``: Triton kernels over buckets of leaves; without a GPU
-      they run in Pallas interpret mode, slowly), ``"reference"`` (the plain chain
+      they run in Pallas interpret mode, slowly), ``"pallas_mosaic_gpu"`` (the same
+      passes as Mosaic GPU kernels, for Hopper GPUs), ``"reference"`` (the plain chain
       of stages, slower), or a configured backend object such as
       ``optax_lamb.backends.pallas_triton.PallasTritonBackend(block_sizes=...)``.
       Same values and state. ``"pallas"`` is a permanent alias of exactly one backend,

@@ -9,11 +9,13 @@ Adding a backend (say ``"pallas_mosaic_gpu"``) is one module under
 
 * ``"auto"``: the first of `AUTO_ORDER` that takes the step: the Pallas Triton
   kernels on one GPU (or the local shards inside ``shard_map``/``pmap``) where
-  the jax has them and the leaves fit, else XLA; the choice is logged (INFO,
-  logger ``optax_lamb``) when the step is traced.
-* ``"pallas_triton"`` (alias ``"pallas"``) or a configured backend object: that
-  backend (the kernels run in interpret mode without a GPU, with a warning),
-  falling back to XLA with a warning where it cannot compute the step.
+  the jax has them and the leaves fit; where this jax has no Pallas Triton, the
+  Mosaic GPU kernels on a GPU of compute capability 9.0 or newer; else XLA. The
+  choice is logged (INFO, logger ``optax_lamb``) when the step is traced.
+* ``"pallas_triton"`` (alias ``"pallas"``), ``"pallas_mosaic_gpu"`` or a
+  configured backend object: that backend (the kernels run in interpret mode
+  without a GPU, with a warning), falling back to XLA with a warning where it
+  cannot compute the step.
 * ``"xla"``: the fused XLA path; XLA partitions it under ``jax.jit``.
 * ``"reference"``: the chain of stages, built by `optax_lamb.step._transform` instead
   of a backend step.
@@ -39,10 +41,12 @@ import numpy as np
 
 from optax_lamb.step._plan import LeafArrays, StepPlan, StepResult
 
-ImplementationName: TypeAlias = Literal["auto", "xla", "reference", "pallas_triton", "pallas"]
+ImplementationName: TypeAlias = Literal[
+  "auto", "xla", "reference", "pallas_triton", "pallas_mosaic_gpu", "pallas"
+]
 Implementation: TypeAlias = "ImplementationName | Backend"
 ALIASES = {"pallas": "pallas_triton"}  # the Triton kernels' name before a second GPU backend
-AUTO_ORDER = ("pallas_triton", "xla")
+AUTO_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")  # Mosaic GPU where Triton is missing
 # Why `auto` takes a backend where it can, for the log line: what was measured, where.
 AUTO_BASIS = {
   "pallas_triton": (
@@ -106,6 +110,10 @@ _LOADERS: dict[str, tuple[str, Callable[[], Backend]]] = {
   "pallas_triton": (
     "Pallas Triton",
     _import("optax_lamb.backends.pallas_triton", "PallasTritonBackend"),
+  ),
+  "pallas_mosaic_gpu": (
+    "Pallas Mosaic GPU",
+    _import("optax_lamb.backends.pallas_mosaic_gpu", "PallasMosaicGpuBackend"),
   ),
 }
 NAMES: tuple[str, ...] = ("auto", "reference", *_LOADERS, *ALIASES)

@@ -164,6 +164,44 @@ def test_without_pallas_triton_auto_and_pallas_take_xla():
 
 
 @pytest.mark.parametrize(
+  "capability, path",
+  [("9.0", "the pallas_mosaic_gpu path"), ("8.0", "the xla path")],
+  ids=["hopper", "ampere"],
+)
+def test_without_pallas_triton_auto_takes_mosaic_gpu_on_hopper(capability, path):
+  """A jax whose Pallas Triton cannot be imported (checked in a process where the import fails):
+  auto takes the Mosaic GPU kernels on a GPU of compute capability 9.0 or newer, else XLA."""
+  script = textwrap.dedent(
+    """
+    import logging, sys, types
+    sys.modules["jax.experimental.pallas.triton"] = None  # import fails, as on a jax without it
+    import jax, jax.numpy as jnp, optax_lamb
+    jax.default_backend = lambda: "gpu"
+    jax.device_count = lambda: 1
+    gpu = types.SimpleNamespace(compute_capability=sys.argv[1], device_kind="a GPU")
+    jax.local_devices = lambda *args, **kwargs: [gpu]
+    logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
+    params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+    tx = optax_lamb.lamb(1e-2)
+    jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params), params)
+    """
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = subprocess.run(
+    [sys.executable, "-c", script, capability],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr
+  logs = [line for line in run.stdout.splitlines() if line.startswith("LOG optax_lamb.lamb")]
+  assert len(logs) == 1, logs
+  assert logs[0].startswith(f"LOG optax_lamb.lamb: {path} (pallas_triton: Pallas Triton is not")
+  assert ("compute capability 8.0" in logs[0]) == (capability == "8.0"), logs[0]
+
+
+@pytest.mark.parametrize(
   "dtypes, match",
   [
     ({"params": jnp.float64}, "param dtype float64"),

@@ -26,10 +26,11 @@ from helpers.asserts import FEW_ROUNDINGS, assert_trees_close
 from helpers.implementations import EIGHT_BIT_BLOCKS, lamb_for
 
 import optax_lamb
+from optax_lamb.backends.gpu import passes
+from optax_lamb.backends.gpu import tables as gpu_tables
 from optax_lamb.backends.pallas_triton import (
   BlockSizes,
   PallasTritonBackend,
-  common,
   operands,
   pass1,
   pass2,
@@ -127,21 +128,21 @@ def test_kernels_equal_their_references_with_8bit_moments(apply, skipped, interp
   o = LambOptions()
   h = StepScalars(bc1=runtime(0.1), bc2=runtime(0.01), weight_decay=runtime(0.05),
                   step_size=runtime(-1e-2), take=runtime(0.0 if skipped else 1.0))  # fmt: skip
-  scalars, layout = common.scalar_operands(h)
+  scalars, layout = gpu_tables.scalar_operands(h)
   launch = dict(options=o, scalar_layout=layout, block_sizes=SIZES, interpret=interpret)
-  for table in common.buckets([leaf for leaf in plans if leaf.adapt], SIZES):
+  for table in gpu_tables.buckets([leaf for leaf in plans if leaf.adapt], SIZES):
     flat = [leaves[c.leaf.index] for c in table]
     written, parts = pass1.moments_and_norms(scalars, flat, table=table, **launch)
     for c, moments, x in zip(table, written, flat, strict=True):
       assert moments == {}  # narrow: pass 2 writes them
-      _, want = jax.jit(pass1.reference, static_argnums=(0, 3, 4))(o, h, x, c, SIZES.block)
+      _, want = jax.jit(passes.pass1_reference, static_argnums=(0, 3, 4))(o, h, x, c, SIZES.block)
       assert_trees_close(parts[:, c.first : c.first + c.programs], want)
   ratios = jnp.asarray(rng.uniform(0.5, 2.0, slots), jnp.float32)
-  for table in common.buckets(plans, SIZES):
+  for table in gpu_tables.buckets(plans, SIZES):
     flat = [leaves[c.leaf.index] for c in table]
     results = pass2.updates(scalars, ratios, flat, table=table, apply=apply, **launch)
     for c, x, got in zip(table, flat, results, strict=True):
-      want = jax.jit(pass2.reference, static_argnums=(0, 2), static_argnames="apply")(
+      want = jax.jit(passes.pass2_reference, static_argnums=(0, 2), static_argnames="apply")(
         o, h, c.leaf, x, ratios, apply=apply
       )
       assert set(got) == set(want) == {"out", "m", "v"}

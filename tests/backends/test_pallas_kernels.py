@@ -32,10 +32,11 @@ from helpers.trees import by_path, make_params
 from runs import update_then_apply
 
 import optax_lamb
+from optax_lamb.backends.gpu import passes
+from optax_lamb.backends.gpu import tables as gpu_tables
 from optax_lamb.backends.pallas_triton import (
   BlockSizes,
   PallasTritonBackend,
-  common,
   pass1,
   pass2,
   slice_sums,
@@ -84,7 +85,7 @@ class TestKernelsCompiled:
     shapes, plans, slots = random_leaf_plans(rng, 7)
     sizes, interpret = BLOCK_SIZES, self.INTERPRET
     draw = lambda shape, dtype=jnp.float32: jnp.asarray(rng.standard_normal(shape), dtype)
-    narrow = lambda leaf: jnp.bfloat16 if pass2.from_grads(leaf) and leaf.adapt else jnp.float32
+    narrow = lambda leaf: jnp.bfloat16 if passes.from_grads(leaf) and leaf.adapt else jnp.float32
     leaves = [
       {
         "p": draw(leaf.size),
@@ -105,34 +106,34 @@ class TestKernelsCompiled:
         clip_factor=runtime(0.7) if clip else None,
       ),
     )
-    scalars, scalar_layout = common.scalar_operands(h)
+    scalars, scalar_layout = gpu_tables.scalar_operands(h)
     launch = dict(
       options=options, scalar_layout=scalar_layout, block_sizes=sizes, interpret=interpret
     )
-    tables = common.buckets([leaf for leaf in plans if leaf.adapt], sizes)
+    tables = gpu_tables.buckets([leaf for leaf in plans if leaf.adapt], sizes)
     parts = []
     for table in tables:
       operands = [leaves[c.leaf.index] for c in table]
       written, launch_parts = pass1.moments_and_norms(scalars, operands, table=table, **launch)
       for c, moments, x in zip(table, written, operands, strict=True):
-        want_moments, want_parts = pass1.reference(options, h, x, c, sizes.block)
+        want_moments, want_parts = passes.pass1_reference(options, h, x, c, sizes.block)
         if moments:
           assert_trees_close((moments["m"], moments["v"]), want_moments)
         span = slice(c.first, c.first + c.programs)
         assert_trees_close(launch_parts[:, span], want_parts)
       parts.append(launch_parts)
-    starts, counts = slice_sums.slot_ranges(tables, slots)
+    starts, counts = gpu_tables.slot_ranges(tables, slots)
     joined = jnp.concatenate(parts, axis=1)
     sums = slice_sums.slice_sums(
-      *slice_sums.slot_operands(starts, counts), joined, block_sizes=sizes, interpret=interpret
+      *gpu_tables.slot_operands(starts, counts), joined, block_sizes=sizes, interpret=interpret
     )
-    assert_trees_close(sums, slice_sums.reference(starts, counts, joined))
+    assert_trees_close(sums, passes.slice_sums_reference(starts, counts, joined))
     ratios = jnp.asarray(rng.uniform(0.5, 2.0, slots), jnp.float32)
-    for table in common.buckets(plans, sizes):
-      operands = [{k: leaves[c.leaf.index][k] for k in pass2.input_names(c.leaf)} for c in table]
+    for table in gpu_tables.buckets(plans, sizes):
+      operands = [{k: leaves[c.leaf.index][k] for k in passes.input_names(c.leaf)} for c in table]
       results = pass2.updates(scalars, ratios, operands, table=table, apply=apply, **launch)
       for c, x, got in zip(table, operands, results, strict=True):
-        want = pass2.reference(options, h, c.leaf, x, ratios, apply=apply)
+        want = passes.pass2_reference(options, h, c.leaf, x, ratios, apply=apply)
         assert set(got) == set(want)
         assert_trees_close(got, want)
 
@@ -189,9 +190,9 @@ class TestKernelsInterpret(TestKernelsCompiled):
 
 def test_chunk_tables_cover_every_element_once(rng):
   shapes, plans, slots = random_leaf_plans(rng, 9)
-  tables = common.buckets(plans, BLOCK_SIZES)
+  tables = gpu_tables.buckets(plans, BLOCK_SIZES)
   assert [len(t) for t in tables] == [3, 3, 3]
-  starts, counts = slice_sums.slot_ranges(tables, slots)
+  starts, counts = gpu_tables.slot_ranges(tables, slots)
   block, base = BLOCK_SIZES.block, 0
   for table in tables:
     first = 0
@@ -316,11 +317,11 @@ def test_leaf_over_two_gigabytes_lowers_for_cuda():
 def test_leaves_over_two_gigabytes_use_int32_element_offsets():
   sizes = BlockSizes()
   # 600M float32 elements = 2.4 GB: every element offset still fits int32.
-  ((c,),) = common.buckets([leaf_plan((600_000_000,))], sizes)
+  ((c,),) = gpu_tables.buckets([leaf_plan((600_000_000,))], sizes)
   assert c.chunks * sizes.block < 2**31 - 1
   # 2^31 elements do not: such a leaf is refused (the dispatcher then takes XLA).
   with pytest.raises(ValueError, match="elements"):
-    common.buckets([leaf_plan((2**31,))], sizes)
+    gpu_tables.buckets([leaf_plan((2**31,))], sizes)
 
 
 @pytest.mark.parametrize(

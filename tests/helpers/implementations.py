@@ -22,6 +22,11 @@
   3 leaves per launch, pass 2 by XLA from 4,096 elements in ``tx.update``), for
   the 8-bit moment tests (`tests/backends/test_pallas_8bit.py`); a fallback to
   the XLA path is an error; ``"pallas-8bit-compiled"``: the same compiled (a GPU only);
+- ``"pallas-mosaic-gpu"``: the Mosaic GPU kernels in Pallas interpret mode with
+  their smallest blocks (256 elements; pass 2 by XLA from 1,024 elements), so
+  chunk tails, stacked slices and both kinds of pass 2 run on the option tree; a
+  fallback to the XLA path is an error; ``"pallas-mosaic-gpu-compiled"``: the
+  same compiled (a GPU of compute capability 9.0 or newer only);
 - ``"reference"``: the plain chain of stages.
 
 The configurations are backend objects passed as ``implementation=``; for the
@@ -40,6 +45,7 @@ from collections.abc import Callable
 import optax
 
 import optax_lamb
+from optax_lamb.backends.pallas_mosaic_gpu import MosaicBlockSizes, PallasMosaicGpuBackend
 from optax_lamb.backends.pallas_triton import BlockSizes, PallasTritonBackend
 from optax_lamb.backends.xla import XlaBackend
 from optax_lamb.step._update_and_apply import FusableTransformation
@@ -62,6 +68,7 @@ EIGHT_BIT_BLOCKS = BlockSizes(
 TINY_BLOCKS = BlockSizes(
   block=16, max_leaves_per_call=2, num_warps=4, sum_block=16, xla_pass2_min_size=48
 )
+MOSAIC_BLOCKS = MosaicBlockSizes(block=256, xla_pass2_min_size=1024)
 
 # name: (lamb's implementation argument, the context its steps are traced in)
 _CONFIGURATIONS = {
@@ -80,6 +87,14 @@ _CONFIGURATIONS = {
   ),
   "pallas-compiled": (
     PallasTritonBackend(block_sizes=PALLAS_BLOCKS, interpret=False),
+    _no_fallback,
+  ),
+  "pallas-mosaic-gpu": (
+    PallasMosaicGpuBackend(block_sizes=MOSAIC_BLOCKS, interpret=True),
+    _no_fallback,
+  ),
+  "pallas-mosaic-gpu-compiled": (
+    PallasMosaicGpuBackend(block_sizes=MOSAIC_BLOCKS, interpret=False),
     _no_fallback,
   ),
   "reference": ("reference", contextlib.nullcontext),

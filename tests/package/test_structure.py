@@ -40,13 +40,17 @@ XLA_PATH = [
   "core/_sharded_views.py",  # arrays whose type shards them (Explicit meshes)
 ]
 PALLAS_BACKEND = [
-  "backends/pallas_triton/driver.py",
+  "backends/gpu/driver.py",
+  "backends/pallas_triton/backend.py",
   "backends/per_device.py",
   "backends/pallas_triton/pass1.py",
   "backends/pallas_triton/slice_sums.py",
   "backends/pallas_triton/pass2.py",
   "backends/pallas_triton/operands.py",
   "backends/pallas_triton/common.py",
+  "backends/gpu/passes.py",
+  "backends/gpu/tables.py",
+  "backends/gpu/arrays.py",
 ]
 PALLAS_PATH = XLA_PATH[:2] + PALLAS_BACKEND + XLA_PATH[3:]
 

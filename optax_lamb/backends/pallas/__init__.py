@@ -4,8 +4,8 @@ written before the rename; deprecated (CHANGELOG.md), removed no sooner than ver
 
 import warnings
 
+from optax_lamb.backends.pallas_triton.backend import PallasTritonBackend as PallasBackend
 from optax_lamb.backends.pallas_triton.common import BlockSizes
-from optax_lamb.backends.pallas_triton.driver import PallasTritonBackend as PallasBackend
 
 warnings.warn(
   "optax_lamb.backends.pallas is deprecated: import optax_lamb.backends.pallas_triton "

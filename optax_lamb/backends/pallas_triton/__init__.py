@@ -1,13 +1,16 @@
-"""The Pallas Triton backend: one module per kernel pass, each with its ``pallas_call`` and
-the jnp reference it must equal (`pass1`, `slice_sums`, `pass2`), what they share (`common`; a
-chunk of a leaf's operands, 8-bit moments as codes and scales: `operands`), and the step over a
-tree with its launch configuration (`driver.PallasTritonBackend`).
+"""The Pallas Triton backend: its kernel set on the shared GPU driver (`optax_lamb.backends.gpu`).
+
+One module per kernel pass, each with its ``pallas_call`` (`pass1`,
+`slice_sums`, `pass2`; what each computes and its jnp twin are the driver's,
+`optax_lamb.backends.gpu.passes`), what they share (`common`: launch sizes, a
+program's chunk, masked loads, the call; 8-bit moments as codes and scales:
+`operands`), and the kernel set with its backend (`backend.PallasTritonBackend`).
 
 Importing it imports ``jax.experimental.pallas.triton``; the registry treats an
-ImportError as "no Pallas Triton on this jax" and uses the XLA path.
+ImportError as "no Pallas Triton on this jax" and uses another path.
 """
 
+from optax_lamb.backends.pallas_triton.backend import PallasTritonBackend
 from optax_lamb.backends.pallas_triton.common import BlockSizes
-from optax_lamb.backends.pallas_triton.driver import PallasTritonBackend
 
 __all__ = ["BlockSizes", "PallasTritonBackend"]

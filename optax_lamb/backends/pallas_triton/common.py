@@ -1,10 +1,8 @@
-"""What the three kernel passes share: launch sizes, chunk tables, scalars, operands, the call.
+"""What the three Triton kernel passes share: launch sizes, a program's chunk, masked loads, the call.
 
-A leaf is processed as flat 1-D chunks of ``block`` elements; a leaf with
-stacked axes as S slices of L elements, each slice its own run of
-``cdiv(L, block)`` chunks (a chunk never spans two slices). A launch takes a
-bucket of up to ``max_leaves_per_call`` leaves, one program per chunk; its
-chunk table (Python ints, fixed at trace time) tells each program its leaf.
+The chunk tables and the step's scalars are the GPU driver's
+(`optax_lamb.backends.gpu.tables`): one program per chunk of ``block`` elements,
+a bucket of up to ``max_leaves_per_call`` leaves per launch.
 
 Operands are named: a launch passes a list (one entry per leaf of its bucket)
 of ``{name: flat array}``, flattened by `jax.tree` in one fixed order that the
@@ -25,12 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from optax_lamb import _interop
-from optax_lamb.core import _ratios
-from optax_lamb.core._options import ScalarLayout, StepScalars
-from optax_lamb.step._plan import LeafPlan
-
-# Element offsets inside the kernels are int32 (byte addresses are 64-bit in Triton).
-INT32_LIMIT = 2**31 - 1
+from optax_lamb.backends.gpu import tables
+from optax_lamb.backends.gpu.tables import LeafChunks, Table
 
 
 def _is_power_of_two(n: Any) -> bool:
@@ -87,65 +81,6 @@ class BlockSizes:
         raise ValueError(f"BlockSizes: {name}={getattr(self, name)!r} must be an int >= {low}")
 
 
-# ------------------------------------------------------------------------- chunk tables
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafChunks:
-  """A leaf's place in one launch: its plan, its chunks per slice and its first program."""
-
-  leaf: LeafPlan
-  chunks: int  # cdiv(L, block) programs per slice
-  first: int  # first program id of this leaf in its launch
-
-  @property
-  def programs(self) -> int:
-    return self.leaf.slices * self.chunks
-
-
-Table = tuple[LeafChunks, ...]
-
-
-def buckets(leaves: list[LeafPlan], block_sizes: BlockSizes) -> list[Table]:
-  """The chunk tables of the launches over `leaves` (in order, empty leaves left out)."""
-  out, table, first = [], [], 0
-  for leaf in leaves:
-    if leaf.size == 0:
-      continue
-    if leaf.size > INT32_LIMIT - block_sizes.block:
-      raise ValueError(
-        f"leaf {leaf.index} has {leaf.size} elements; the kernels' int32 element offsets "
-        f"need < 2**31 - block={block_sizes.block}"
-      )
-    chunks = -(-leaf.length // block_sizes.block)
-    table.append(LeafChunks(leaf, chunks, first))
-    first += leaf.slices * chunks
-    if len(table) == block_sizes.max_leaves_per_call:
-      out.append(tuple(table))
-      table, first = [], 0
-  if table:
-    out.append(tuple(table))
-  return out
-
-
-def programs(table: Table) -> int:
-  return sum(c.programs for c in table)
-
-
-# ------------------------------------------------------------------------- step scalars
-
-
-def scalar_operands(scalars: StepScalars) -> tuple[jax.Array, ScalarLayout]:
-  """(the float32 vector of the runtime scalars, their layout: a static argument of the kernels)."""
-  layout, values = ScalarLayout.of(scalars)
-  return layout.vector(values), layout
-
-
-def load_scalars(ref, layout: ScalarLayout) -> StepScalars:
-  """Inside a kernel: the step's scalars, the runtime ones read from the vector by name."""
-  return layout.join({name: ref[layout.index(name)] for name in layout.runtime})
-
-
 # ------------------------------------------------------------------------ kernel helpers
 
 
@@ -170,14 +105,6 @@ def chunk(pid, c: LeafChunks, block: int) -> Chunk:
   start = k * block
   mask = start + jnp.arange(block, dtype=jnp.int32) < c.leaf.length
   return Chunk(s, s * c.leaf.length + start, mask, start, c.leaf.length)
-
-
-def block_sq_sums(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
-  """A block's sums of (x s)^2 (`_ratios.squares`) at every `_ratios.SCALES`, over its unmasked
-  lanes: the kernels sum all three in the pass (memory-bound on a GPU: no extra bytes)."""
-  # Masked lanes hold other=0 inputs, and u may be 0/0 there when eps = 0: zero them first.
-  x = jnp.where(mask, x.astype(jnp.float32), 0.0)
-  return tuple(jnp.sum(_ratios.squares(x, s)) for s in _ratios.SCALES)
 
 
 def for_each_leaf(table: Table, body) -> None:
@@ -205,11 +132,6 @@ def whole(x) -> pl.BlockSpec:
 
 def one_per_program() -> pl.BlockSpec:
   return pl.BlockSpec((pl.squeezed,), lambda i: (i,))
-
-
-def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
-  """ShapeDtypeStruct with `like`'s manual-axis type (for a pallas_call inside shard_map)."""
-  return _interop.shape_dtype_like(shape, dtype, like)
 
 
 def _aliases(inputs: Any, outputs: Any, offset: int, overwrites) -> dict[int, int]:
@@ -253,7 +175,7 @@ def launch(
     (*leading, *flat_in),
     block_sizes=block_sizes,
     interpret=interpret,
-    grid=(programs(table),),
+    grid=(tables.programs(table),),
     in_specs=[whole(x) for x in (*leading, *flat_in)],
     out_specs=jax.tree.leaves(out_specs),
     out_shape=flat_out,

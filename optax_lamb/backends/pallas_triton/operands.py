@@ -1,7 +1,7 @@
-"""A leaf's operands in the kernels: flat, a chunk of them loaded and stored, 8-bit moments.
+"""A leaf's operands in the Triton kernels: a chunk of them loaded and stored, 8-bit moments.
 
-The kernels take each leaf's arrays flat (1-D) and load one chunk of ``block``
-elements per program (`common.chunk`). A moment stored 8-bit block-wise
+The kernels take each leaf's arrays flat (1-D, `optax_lamb.backends.gpu.arrays`)
+and load one chunk of ``block`` elements per program (`common.chunk`). A moment stored 8-bit block-wise
 quantized (``mu_dtype=jnp.int8``, ``nu_dtype=jnp.uint8``: `optax_lamb.core._quantize`)
 is passed as its two arrays, the codes and the float32 scales, both flat: a
 program loads the chunk's codes and the scales of its blocks, which `_leaf`
@@ -23,7 +23,6 @@ float32 moments and need nothing here.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -52,36 +51,6 @@ def unsupported_reason(leaf: LeafPlan, block: int) -> str | None:
       f"those whose last axis is a multiple of {BLOCK} and not stacked"
     )
   return None
-
-
-def shape(x) -> tuple[int, ...]:
-  """The shape of an operand: an array's, or a quantized moment's (its codes', checked against
-  its scales')."""
-  if not isinstance(x, QuantizedMoment):
-    return tuple(jnp.shape(x))
-  codes = tuple(jnp.shape(x.codes))
-  if not codes or tuple(jnp.shape(x.scales)) != _quantize.scales_shape(codes):
-    raise ValueError(f"codes {codes} and scales {jnp.shape(x.scales)}: one scale per block")
-  return codes
-
-
-def reshape(x, new_shape: tuple[int, ...]) -> Any:
-  """`x` in `new_shape`; a quantized moment's codes in `new_shape`, its scales one per block of its
-  last axis (the same blocks, where the rows of both shapes hold whole blocks)."""
-  if isinstance(x, QuantizedMoment):
-    scales = jnp.reshape(x.scales, _quantize.scales_shape(new_shape))
-    return QuantizedMoment(jnp.reshape(x.codes, new_shape), scales)
-  return jnp.reshape(x, new_shape)
-
-
-def flat(x) -> Any:
-  """`x` (an array or a quantized moment) 1-D, as the kernels take their operands."""
-  return reshape(x, (math.prod(shape(x)),))
-
-
-def out_like(x) -> Any:
-  """`common.out_struct` of each array of `x` (an array, or a quantized moment's two)."""
-  return jax.tree.map(lambda a: common.out_struct(a.shape, a.dtype, a), x)
 
 
 def _scales_window(ch: Chunk, block: int) -> tuple[jax.Array, jax.Array, int]:

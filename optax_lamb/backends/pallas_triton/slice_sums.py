@@ -4,7 +4,9 @@ One launch for the whole tree, one program per ratio slot (a leaf, or a stacked
 slice of one), adding up the slot's partials in a fixed order: deterministic,
 no atomics. Each of pass 1's partial vectors (||p||^2 and ||u||^2 at every
 `_ratios.SCALES`) is summed alike; the trust ratios then come from
-`_ratios.ratio_vector` in XLA.
+`_ratios.ratio_vector` in XLA. The slots' ranges are the driver's
+(`optax_lamb.backends.gpu.tables.slot_ranges`); the jnp twin is
+`optax_lamb.backends.gpu.passes.slice_sums_reference`.
 """
 
 from __future__ import annotations
@@ -13,26 +15,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
+from optax_lamb.backends.gpu import arrays
 from optax_lamb.backends.pallas_triton import common
-from optax_lamb.backends.pallas_triton.common import BlockSizes, Table
-
-
-def slot_ranges(tables: list[Table], slot_count: int) -> tuple[list[int], list[int]]:
-  """(start, count) of each ratio slot's partial sums in the launches' concatenated partials.
-
-  Slots of leaves in no table (not adapted, or empty) get count 0.
-  """
-  starts, counts, base = [0] * slot_count, [0] * slot_count, 0
-  for table in tables:
-    for c in table:
-      for s in range(c.leaf.slices):
-        starts[c.leaf.ratio_offset + s] = base + c.first + s * c.chunks
-        counts[c.leaf.ratio_offset + s] = c.chunks
-    base += common.programs(table)
-  return starts, counts
+from optax_lamb.backends.pallas_triton.common import BlockSizes
 
 
 def kernel(starts_ref, counts_ref, *refs, size: int) -> None:
@@ -63,7 +50,7 @@ def slice_sums(
 ) -> tuple[jax.Array, ...]:
   """Per ratio slot, the sums of each row of `partials` (pass 1's, the launches concatenated)."""
   parts = tuple(partials)
-  out = common.out_struct(starts.shape, jnp.float32, partials)
+  out = arrays.out_struct(starts.shape, jnp.float32, partials)
   return tuple(
     common.call(
       functools.partial(kernel, size=block_sizes.sum_block),
@@ -77,16 +64,3 @@ def slice_sums(
       name="lamb_slice_sums",
     )
   )
-
-
-def slot_operands(starts: list[int], counts: list[int]) -> tuple[jax.Array, jax.Array]:
-  """The kernel's (starts, counts) operands: constants of the step."""
-  return jnp.asarray(np.asarray(starts, np.int32)), jnp.asarray(np.asarray(counts, np.int32))
-
-
-def reference(starts, counts, partials) -> tuple[jax.Array, ...]:
-  """Per slot, the sum of each row of `partials`."""
-  sums = lambda part: jnp.stack(
-    [jnp.sum(part[a : a + n]) for a, n in zip(starts, counts, strict=True)]
-  )
-  return tuple(sums(part) for part in partials)
