@@ -271,8 +271,11 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
 
 def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
   """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
-  every finite input: the plain sum, or where it overflowed (computed only then) the sum at
-  `_ratios.DOWN`, finite for every float32 x (small leaves on one device: `_ratios.small_sums`)."""
+  every finite input: the plain sum, or where it overflowed the sum at `_ratios.DOWN`, finite for
+  every float32 x. On the CPU that sum is computed only then (small leaves on one device:
+  `_ratios.small_sums`); elsewhere the sums at `_ratios.SCALES` come out of one reduction per
+  leaf (no conditional: XLA:GPU reads its predicate on the host), where the plain sum is suspect
+  also underflowed, the scaled one taken (`_ratios.norm_from_sums`)."""
   joint = [name is None and _ratios.one_device() for name in names]
 
   def total(scale: float) -> jax.Array:
@@ -287,6 +290,19 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
       by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
     return sum((_ratios.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
 
-  sq = total(1.0)
-  rescued = lambda: _ratios.safe_sqrt(total(_ratios.DOWN)) / _ratios.DOWN
-  return jax.lax.cond(jnp.isinf(sq), rescued, lambda: _ratios.safe_sqrt(sq))
+  def on_cpu() -> jax.Array:
+    sq = total(1.0)
+    rescued = lambda: _ratios.safe_sqrt(total(_ratios.DOWN)) / _ratios.DOWN
+    return jax.lax.cond(jnp.isinf(sq), rescued, lambda: _ratios.safe_sqrt(sq))
+
+  def on_accelerator() -> jax.Array:
+    by_name: dict[Any, jax.Array] = {}
+    scales = _ratios.opaque_scales()
+    for x, name in zip(leaves, names, strict=True):
+      sums = jnp.stack(_ratios.leaf_sq_sums(x, scales=scales))
+      by_name[name] = by_name.get(name, jnp.zeros(3, jnp.float32)) + sums
+    zeros = jnp.zeros(3, jnp.float32)
+    plain, down, up = sum((_ratios.psum_if(t, n) for n, t in by_name.items()), zeros)
+    return _ratios.norm_from_sums(plain, _ratios.chosen_scaled(plain, down, up))
+
+  return _ratios.per_platform(on_cpu, on_accelerator)
