@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb import _quantize, _ratios
+from optax_lamb import _quantize
 from optax_lamb._quantize import QuantizedMoment
 
 QUANTIZED_FALLBACK = np.dtype(np.float32)  # leaves too small to quantize
@@ -126,7 +126,7 @@ def zero_after(p: jax.Array | list[jax.Array], g: jax.Array) -> jax.Array:
   conditional): what uses it runs after `p` is written, so an in-place write that must follow the
   last read of an old value (the new moments after the new params, the new scales after the new
   codes) needs no copy. For XLA:CPU's copy insertion: elsewhere a plain 0 (a conditional's
-  predicate XLA:GPU reads on the host; `_ratios.per_platform`)."""
+  predicate XLA:GPU reads on the host)."""
   first = lambda qs: sum(jnp.minimum(jnp.abs(jnp.ravel(q)[0].astype(g.dtype)), 0) for q in qs)
   ps = tuple(p) if isinstance(p, list) else (p,)
 
@@ -134,4 +134,4 @@ def zero_after(p: jax.Array | list[jax.Array], g: jax.Array) -> jax.Array:
     zero = jax.lax.cond(jnp.isnan(jnp.ravel(g)[0]), first, lambda qs: jnp.zeros((), g.dtype), ps)
     return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)
 
-  return _ratios.per_platform(on_cpu, lambda: jnp.zeros((), g.dtype))
+  return jax.lax.platform_dependent(cpu=on_cpu, default=lambda: jnp.zeros((), g.dtype))

@@ -271,11 +271,9 @@ def gradients_ok(config: LambConfig, master_weights: bool) -> _skip.GradsOk:
 
 def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
   """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
-  every finite input: the plain sum, or where it overflowed the sum at `_ratios.DOWN`, finite for
-  every float32 x. On the CPU that sum is computed only then (small leaves on one device:
-  `_ratios.small_sums`); elsewhere the sums at `_ratios.SCALES` come out of one reduction per
-  leaf (no conditional: XLA:GPU reads its predicate on the host), where the plain sum is suspect
-  also underflowed, the scaled one taken (`_ratios.norm_from_sums`)."""
+  every finite input. CPU: the plain sum, or where it overflowed (computed only then) the sum at
+  `_ratios.DOWN` (small leaves on one device: `_ratios.small_sums`); elsewhere the sums at
+  `_ratios.SCALES` in one reduction per leaf, no conditional (`_ratios.norm_from_sums`)."""
   joint = [name is None and _ratios.one_device() for name in names]
 
   def total(scale: float) -> jax.Array:
@@ -297,12 +295,10 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
 
   def on_accelerator() -> jax.Array:
     by_name: dict[Any, jax.Array] = {}
-    scales = _ratios.opaque_scales()
+    scales, zeros = _ratios.opaque_scales(), jnp.zeros(3, jnp.float32)
     for x, name in zip(leaves, names, strict=True):
-      sums = jnp.stack(_ratios.leaf_sq_sums(x, scales=scales))
-      by_name[name] = by_name.get(name, jnp.zeros(3, jnp.float32)) + sums
-    zeros = jnp.zeros(3, jnp.float32)
+      by_name[name] = by_name.get(name, zeros) + jnp.stack(_ratios.leaf_sq_sums(x, scales=scales))
     plain, down, up = sum((_ratios.psum_if(t, n) for n, t in by_name.items()), zeros)
     return _ratios.norm_from_sums(plain, _ratios.chosen_scaled(plain, down, up))
 
-  return _ratios.per_platform(on_cpu, on_accelerator)
+  return jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))

@@ -72,15 +72,14 @@ BLOCKED_FROM = 16 * 1024  # elements: a smaller leaf takes one plain sum per ter
 PLATFORM_BRANCH: Literal["lowered", "cpu", "accelerator"] = "lowered"
 
 
-def per_platform(cpu: Callable, accelerator: Callable, *operands: Any) -> Any:
-  """`cpu(*operands)` in the program lowered for a CPU, `accelerator(*operands)` in the one for
-  any other platform (`jax.lax.platform_dependent`: one trace serves both; the choice, a case on
-  a constant index, is folded before XLA compiles). For what XLA:CPU needs for its speed or
-  memory and what costs an accelerator: a conditional or a data-dependent loop, whose predicate
-  XLA:GPU reads on the host every step. Both are traced."""
-  if PLATFORM_BRANCH != "lowered":
-    return (cpu if PLATFORM_BRANCH == "cpu" else accelerator)(*operands)
-  return jax.lax.platform_dependent(*operands, cpu=cpu, default=accelerator)
+def per_platform(cpu: Callable, accelerator: Callable) -> dict[str, Callable]:
+  """`jax.lax.platform_dependent`'s branches (call it with ``**per_platform(...)``): `cpu` in the
+  program lowered for a CPU, `accelerator` for any other platform; one trace serves both, the
+  choice folded before XLA compiles. For what XLA:CPU needs (speed, memory) and costs an
+  accelerator: a conditional or a loop, whose predicate XLA:GPU reads on the host every step."""
+  if PLATFORM_BRANCH != "lowered":  # both keys one function: jax runs it wherever
+    cpu = accelerator = cpu if PLATFORM_BRANCH == "cpu" else accelerator
+  return {"cpu": cpu, "default": accelerator}
 
 
 def one_device() -> bool:
@@ -131,7 +130,7 @@ def leaf_sq_sums(*xs: jax.Array, stacked_axes: int = 0, scales=(1.0,),
     by = column_blocks("cpu") if columns is None else columns
     return _reduced(terms, stacked_axes, partial_count, by, joint)
   layout = lambda by: lambda *t: _reduced(t, stacked_axes, partial_count, by, joint)
-  return per_platform(layout(True), layout(False), *terms)
+  return jax.lax.platform_dependent(*terms, **per_platform(layout(True), layout(False)))
 
 
 def small_sums(terms: tuple, stacked_axes: int, joint: bool) -> tuple:

@@ -202,7 +202,9 @@ def skipping(inner: optax.GradientTransformation, axis_name: Any, max_errors: in
     operands = (updates, state.inner_state, params, arrays)
     on_cpu = lambda: jax.lax.cond(take, apply, skip, *operands)
     on_accelerator = lambda: selected(take, apply(*operands), state.inner_state)
-    new_updates, new_inner = _ratios.per_platform(on_cpu, on_accelerator)
+    new_updates, new_inner = jax.lax.platform_dependent(
+      **_ratios.per_platform(on_cpu, on_accelerator)
+    )
     return new_updates, _counted(state, ok, consecutive, new_inner, (spikes, verdict), take)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -224,7 +226,9 @@ def _checking_results(inner: Any, updates: Any, state: Any, params: Any,
     state.inner_state,
   )
   on_accelerator = lambda: selected(take, (new_updates, new_inner), state.inner_state)
-  new_updates, new_inner = _ratios.per_platform(on_cpu, on_accelerator)
+  new_updates, new_inner = jax.lax.platform_dependent(
+    **_ratios.per_platform(on_cpu, on_accelerator)
+  )
   return new_updates, _counted(state, finite, consecutive, new_inner, judged, take)
 
 

@@ -184,7 +184,7 @@ def _ratio_vector(us: list, ps: list, s: StepScalars, layout: RatioLayout, adapt
     rescued,
     lambda: _ratios.ratio_vector(sums, s, adapted),
   )
-  return _ratios.per_platform(on_cpu, on_accelerator)
+  return jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
 
 
 def trust_ratios(opt_state: Any) -> Any:

@@ -222,7 +222,7 @@ def _pass1(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, keep_u: bool, *, in_ro
     )  # fmt: skip
     return p1, u1, p_down, u_down, p_up, u_up
 
-  p_sq, u_sq, *scaled = _ratios.per_platform(on_cpu, on_accelerator)
+  p_sq, u_sq, *scaled = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
   return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u if keep_u else None, kept, scaled=tuple(scaled))
 
 
@@ -267,7 +267,7 @@ def _ratios_of(plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1],
     rescued,
     lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
   )
-  return _ratios.per_platform(on_cpu, on_accelerator)
+  return jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
 
 
 def _scaled_sums(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale,

@@ -220,7 +220,7 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
     # Off the CPU computed always and selected (a conditional: a host round trip on a GPU).
     on_cpu = lambda: jax.lax.cond(jnp.isnan(norm), nonfinite, lambda: norm)
     on_accelerator = lambda: jnp.where(jnp.isnan(norm), nonfinite(), norm)
-    norm = _ratios.per_platform(on_cpu, on_accelerator)
+    norm = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
     factor = jnp.where(norm > clip, clip / norm, jnp.ones_like(norm))
     return treedef.unflatten([_leaf.clip(g, factor) for g in leaves])
 

@@ -112,7 +112,8 @@ def test_the_branch_switch_is_seen():
   try:
     for branch, want in (("cpu", 1.0), ("accelerator", 2.0)):
       _ratios.PLATFORM_BRANCH = branch
-      got = jax.jit(lambda x: _ratios.per_platform(lambda: x, lambda: 2 * x))(jnp.float32(1))
+      step = lambda x: jax.lax.platform_dependent(**_ratios.per_platform(lambda: x, lambda: 2 * x))
+      got = jax.jit(step)(jnp.float32(1))
       assert float(got) == want
   finally:
     _ratios.PLATFORM_BRANCH = "lowered"
