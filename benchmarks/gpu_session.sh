@@ -14,6 +14,9 @@
 #   bench_offload  BERT-large: offload (both modes), beside float32
 #   tests_rest     the rest of the compiled tests and the dispatcher's
 #   bench_many     1,000 leaves of 1,000 (XLA alone compiles such a step for minutes): its own call
+#   bench_xla      issue 50: the XLA path at HEAD (no conditional in a GPU's program) beside optax.lamb
+#                  and the kernels, BERT-large, compiled one at a time; device-only, end to end and
+#                  host CPU time per call (e2e_cpu_ms): the host wait is gone if e2e_cpu_ms < e2e_ms
 #   tuning, pretrain  launch configurations; the pretrain command's tokens/s: calls of their own
 #   mosaic         BERT-large: Mosaic GPU against Triton and XLA (device-only, end to end, B/param),
 #                  compiled one at a time; then tests_mosaic, its compiled kernel and conformance tests
@@ -112,6 +115,13 @@ stage tests_rest 300 $PYTEST -k "not Interpret and not ($SHORT)" \
 # shellcheck disable=SC2086
 stage bench_many 500 python3 -m benchmarks.step $BENCH_FLAGS --cases $MANY \
   --impls optax.lamb optax_lamb.lamb update_and_apply xla.lamb --json "$OUT/gpu_bench_many.json"
+
+# Issue 50: the XLA path without host round trips (tests/backends/test_accelerator_program.py holds
+# its GPU program free of conditionals) against optax.lamb and the kernels, one compile at a time
+# (compiling several at once skews each one's compile figure); its own call (about 5 minutes).
+# shellcheck disable=SC2086
+stage bench_xla 560 python3 -m benchmarks.step ${BENCH_FLAGS/--compile-threads 8/--compile-threads 1} \
+  --cases $LARGE --impls optax.lamb optax_lamb.lamb xla.lamb xla.apply --json "$OUT/gpu_bench_xla.json"
 
 # Launch configurations of the Pallas path, device-only.
 # shellcheck disable=SC2086

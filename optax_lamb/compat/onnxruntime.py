@@ -255,7 +255,10 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
       return sum(_ratios.psum_by_name(sums, names), jnp.zeros((), norm.dtype))
 
     # The norm is NaN for any non-finite element (its rescue divides inf by inf): then ORT's.
-    norm = jax.lax.cond(jnp.isnan(norm), nonfinite, lambda: norm)
+    # Off the CPU computed always and selected (a conditional: a host round trip on a GPU).
+    on_cpu = lambda: jax.lax.cond(jnp.isnan(norm), nonfinite, lambda: norm)
+    on_accelerator = lambda: jnp.where(jnp.isnan(norm), nonfinite(), norm)
+    norm = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
     factor = jnp.where(norm > clip, clip / norm, jnp.ones_like(norm))
     return treedef.unflatten([_leaf.clip(g, factor) for g in leaves])
 

@@ -125,12 +125,17 @@ def zero_after(p: jax.Array | list[jax.Array], g: jax.Array) -> jax.Array:
   """0 in g's dtype from a conditional on `p` (an array or a list; XLA fuses nothing across a
   conditional): what uses it runs after `p` is written, so an in-place write that must follow the
   last read of an old value (the new moments after the new params, the new scales after the new
-  codes) needs no copy."""
+  codes) needs no copy. For XLA:CPU's copy insertion: elsewhere a plain 0 (a conditional's
+  predicate XLA:GPU reads on the host)."""
   first = lambda qs: sum(
     jnp.minimum(jnp.abs(_sharded_views.an_element(q).astype(g.dtype)), 0) for q in qs
   )
   ps = tuple(p) if isinstance(p, list) else (p,)
-  zero = jax.lax.cond(
-    jnp.isnan(_sharded_views.an_element(g)), first, lambda qs: jnp.zeros((), g.dtype), ps
-  )
-  return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)
+
+  def on_cpu() -> jax.Array:
+    zero = jax.lax.cond(
+      jnp.isnan(_sharded_views.an_element(g)), first, lambda qs: jnp.zeros((), g.dtype), ps
+    )
+    return jnp.where(jnp.isnan(zero), 0, zero).astype(g.dtype)
+
+  return jax.lax.platform_dependent(cpu=on_cpu, default=lambda: jnp.zeros((), g.dtype))

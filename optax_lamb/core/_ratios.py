@@ -5,8 +5,9 @@ Squared norms are accumulated in float32 (at least). A float32 sum of squares
 overflows for elements near 1e19 and underflows for elements near 1e-19; the
 same sum of (x s)^2 for s = 2^-80 (`DOWN`) stays finite for every float32 x, and
 for s = 2^64 (`UP`) keeps every normal x's square normal. `norm_from_sums` takes
-the plain sum unless it is `suspect`, then the scaled one, computed only then (``lax.cond``)
-except by the Pallas kernels (memory-bound on a GPU: all three in one pass). A leaf sharded in
+the plain sum unless it is `suspect`, then the scaled one: on the CPU computed only then
+(``lax.cond``); on other platforms, as by the Pallas kernels, all three in one pass (a
+conditional costs a GPU a host round trip: `per_platform`). A leaf sharded in
 ``shard_map``/``pmap`` has its sums ``psum``'d over its axis names, one ``psum`` per name. A
 tree's ratios live in one vector (a slot per leaf or stacked slice), laid out by `RatioLayout`.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -32,6 +33,13 @@ SMALL_SQUARED_NORM = 2.0**-100
 # normal for every normal x below 2^-50 (all of them, where the plain sum is that small).
 DOWN, UP = 2.0**-80, 2.0**64
 SCALES = (1.0, DOWN, UP)  # the three sums of one norm, in `norm_from_sums`'s order
+
+
+def opaque_scales() -> tuple:
+  """`SCALES` with DOWN and UP behind an optimization barrier: XLA (XLA:CPU, jax 0.10.2) folds
+  (x s)^2 for a constant s into x^2 s^2, 0 inf where x^2 overflows (a one-element leaf)."""
+  down, up = jax.lax.optimization_barrier((jnp.float32(DOWN), jnp.float32(UP)))
+  return 1.0, down, up
 
 
 def squares(x: jax.Array, scale: Any = 1.0) -> jax.Array:
@@ -56,11 +64,23 @@ def sq_norm(
 #   temporary is PARTIALS floats (what fits on an accelerator);
 # - "columns": the blocks added element by element into one block-sized accumulator per sum
 #   (2/PARTIALS of the leaf for the two norms), which XLA:CPU vectorises (rows: 1.3-1.5x slower).
-# "auto": columns on the CPU backend, rows elsewhere.
+# "auto": columns in the program lowered for a CPU, rows in the others (`per_platform`).
 NormBlocks = Literal["auto", "rows", "columns"]
 NORM_BLOCKS: NormBlocks = "auto"
 PARTIALS = 16
 BLOCKED_FROM = 16 * 1024  # elements: a smaller leaf takes one plain sum per term
+# Tests only: "cpu" or "accelerator" runs that branch of `per_platform` wherever the step runs.
+PLATFORM_BRANCH: Literal["lowered", "cpu", "accelerator"] = "lowered"
+
+
+def per_platform(cpu: Callable, accelerator: Callable) -> dict[str, Callable]:
+  """`jax.lax.platform_dependent`'s branches (call it with ``**per_platform(...)``): `cpu` in the
+  program lowered for a CPU, `accelerator` for any other platform; one trace serves both, the
+  choice folded before XLA compiles. For what XLA:CPU needs (speed, memory) and costs an
+  accelerator: a conditional or a loop, whose predicate XLA:GPU reads on the host every step."""
+  if PLATFORM_BRANCH != "lowered":  # both keys one function: jax runs it wherever
+    cpu = accelerator = cpu if PLATFORM_BRANCH == "cpu" else accelerator
+  return {"cpu": cpu, "default": accelerator}
 
 
 def one_device() -> bool:
@@ -68,10 +88,11 @@ def one_device() -> bool:
   return jax.device_count() == 1 and jax.sharding.get_abstract_mesh().empty
 
 
-def column_blocks() -> bool:
-  """Whether large leaves' sums take the "columns" layout (see NORM_BLOCKS), at trace time."""
+def column_blocks(platform: str | None = None) -> bool:
+  """Whether large leaves' sums take the "columns" layout (see NORM_BLOCKS) in the program for
+  `platform` ("cpu", "cuda", ...; None: the default backend's)."""
   if NORM_BLOCKS == "auto":
-    return jax.default_backend() == "cpu"
+    return (platform or jax.default_backend()) == "cpu"
   return NORM_BLOCKS == "columns"
 
 
@@ -97,6 +118,7 @@ def leaf_sq_sums(
   scales=(1.0,),
   partial_count: int = PARTIALS,
   joint: bool = False,
+  columns: bool | None = None,
 ) -> tuple[jax.Array, ...]:
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
@@ -104,9 +126,17 @@ def leaf_sq_sums(
   (`block_count`); one reduction sums each block for every sum at once (a loop that evaluates the
   inputs' producers, e.g. the LAMB direction, once), then the partial sums are added up. Slices
   too short or that no such blocks divide take one reduction for all sums; `partial_count` 1, no
-  blocks. A small leaf: a plain reduction per sum, or with `joint` one for all (`small_sums`)."""
-  terms = [squares(x, s) for x in xs for s in scales]
-  return _reduced(tuple(terms), stacked_axes, partial_count, column_blocks(), joint)
+  blocks. A small leaf: a plain reduction per sum, or with `joint` one for all (`small_sums`).
+  The layout: `column_blocks` of the platform lowered for (`columns` None) or `columns`."""
+  terms = tuple(squares(x, s) for x in xs for s in scales)
+  blocked = partial_count > 1 and math.prod(jnp.shape(xs[0])) >= max(
+    16 * partial_count, BLOCKED_FROM
+  )
+  if columns is not None or not blocked or column_blocks("cpu") == column_blocks("cuda"):
+    by = column_blocks("cpu") if columns is None else columns
+    return _reduced(terms, stacked_axes, partial_count, by, joint)
+  layout = lambda by: lambda *t: _reduced(t, stacked_axes, partial_count, by, joint)
+  return jax.lax.platform_dependent(*terms, **per_platform(layout(True), layout(False)))
 
 
 def small_sums(terms: tuple, stacked_axes: int, joint: bool) -> tuple:
@@ -313,6 +343,19 @@ def chosen_scaled(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array
   return jnp.where(jnp.isinf(plain), down, up)
 
 
+def with_fixed_scale_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[Any],
+                          p_down: Sequence, u_down: Sequence, p_up: Sequence, u_up: Sequence,
+                          rows: Sequence = (), row_sums: Sequence = ()) -> SlotSums:  # fmt: skip
+  """`sums` with the sums at `rescue_scale` chosen per slot (`chosen_scaled`) from each leaf's
+  sums at `DOWN` and at `UP` (stacked shapes; `row_sums`: per group, its rows' four in this
+  order), summed alike: what an accelerator computes beside the plain sums, no conditional."""
+  joined = _joined(layout, names, [p_down, u_down, p_up, u_up], rows, row_sums)
+  pd, ud, pu, uu = joined
+  return sums._replace(
+    scaled=(chosen_scaled(sums.param, pd, pu), chosen_scaled(sums.update, ud, uu))
+  )
+
+
 def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax.Array:
   """The trust ratio of each slot (1 where it does not adapt, or where `s.adapt_gate` is 0) from
   its sums; with `sums.scaled`, exact norms where a plain sum over- or underflowed."""
@@ -328,8 +371,9 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax
 
 def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
   """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
-  every finite input: the plain sum, or where it overflowed (computed only then) the sum at
-  `DOWN`, finite for every float32 x (small leaves on one device: `small_sums`)."""
+  every finite input. CPU: the plain sum, or where it overflowed (computed only then) the sum at
+  `DOWN` (small leaves on one device: `small_sums`); elsewhere the sums at `SCALES` in one
+  reduction per leaf, no conditional (`norm_from_sums`)."""
   joint = [name is None and one_device() for name in names]
 
   def total(scale: float) -> jax.Array:
@@ -344,6 +388,17 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
       by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
     return sum((_options.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
 
-  sq = total(1.0)
-  rescued = lambda: safe_sqrt(total(DOWN)) / DOWN
-  return jax.lax.cond(jnp.isinf(sq), rescued, lambda: safe_sqrt(sq))
+  def on_cpu() -> jax.Array:
+    sq = total(1.0)
+    rescued = lambda: safe_sqrt(total(DOWN)) / DOWN
+    return jax.lax.cond(jnp.isinf(sq), rescued, lambda: safe_sqrt(sq))
+
+  def on_accelerator() -> jax.Array:
+    by_name: dict[Any, jax.Array] = {}
+    scales, zeros = opaque_scales(), jnp.zeros(3, jnp.float32)
+    for x, name in zip(leaves, names, strict=True):
+      by_name[name] = by_name.get(name, zeros) + jnp.stack(leaf_sq_sums(x, scales=scales))
+    plain, down, up = sum((_options.psum_if(t, n) for n, t in by_name.items()), zeros)
+    return norm_from_sums(plain, chosen_scaled(plain, down, up))
+
+  return jax.lax.platform_dependent(**per_platform(on_cpu, on_accelerator))

@@ -91,9 +91,11 @@ def skip_nonfinite(
   On such a step the updates are zero and the wrapped state is returned as it was
   (moments, step count, trust ratios, master weights), so the parameters do not
   change; :class:`SkipNonFiniteState` counts the skipped steps, in total and in a
-  row (read them with :func:`skip_counts`). The branch is a :func:`jax.lax.cond`,
-  so it jits, and ``optax.MultiSteps`` around it skips an accumulated step that
-  one bad micro-batch poisoned.
+  row (read them with :func:`skip_counts`). The branch is a :func:`jax.lax.cond`
+  on the CPU and a select of the new or the old values on other platforms (where
+  a conditional's predicate is read on the host: the step is then computed either
+  way), so it jits, and ``optax.MultiSteps`` around it skips an accumulated step
+  that one bad micro-batch poisoned.
 
   Args:
     inner: the transformation to protect.
@@ -199,8 +201,11 @@ def skipping(
       out, _ = jax.eval_shape(apply, updates, inner_state, params, arrays)
       return optax.tree.zeros_like(out), inner_state
 
-    new_updates, new_inner = jax.lax.cond(
-      take, apply, skip, updates, state.inner_state, params, arrays
+    operands = (updates, state.inner_state, params, arrays)
+    on_cpu = lambda: jax.lax.cond(take, apply, skip, *operands)
+    on_accelerator = lambda: selected(take, apply(*operands), state.inner_state)
+    new_updates, new_inner = jax.lax.platform_dependent(
+      **_ratios.per_platform(on_cpu, on_accelerator)
     )
     return new_updates, _counted(state, ok, consecutive, new_inner, (spikes, verdict), take)
 
@@ -222,14 +227,26 @@ def _checking_results(
   # A per-leaf axis_name is the gradients' tree: the results are agreed over its axes.
   finite = all_finite((updates, new_updates, new_inner), axis_name, names_of=updates)
   consecutive, take = decide(passes(finite, judged[1]), state.consecutive, max_errors)
-  new_updates, new_inner = jax.lax.cond(
+  on_cpu = lambda: jax.lax.cond(
     take,
     lambda taken, kept: taken,
     lambda taken, kept: (optax.tree.zeros_like(taken[0]), kept),
     (new_updates, new_inner),
     state.inner_state,
   )
+  on_accelerator = lambda: selected(take, (new_updates, new_inner), state.inner_state)
+  new_updates, new_inner = jax.lax.platform_dependent(
+    **_ratios.per_platform(on_cpu, on_accelerator)
+  )
   return new_updates, _counted(state, finite, consecutive, new_inner, judged, take)
+
+
+def selected(take: jax.Array, taken: tuple, kept: Any) -> tuple:
+  """The skip's choice without a conditional: (`taken`'s updates, `taken`'s state) where `take`,
+  else (zeros, `kept`), a select per array (what an accelerator runs: `_ratios.per_platform`)."""
+  updates, state = taken
+  zeros = lambda u: jnp.where(take, u, jnp.zeros_like(u))
+  return jax.tree.map(zeros, updates), jax.tree.map(lambda n, o: jnp.where(take, n, o), state, kept)
 
 
 def _counted(

@@ -167,7 +167,8 @@ def _ratio_vector(
   names: list,
 ) -> jax.Array:
   """The ratios of the leaves `us` at params `ps`, from plain sums of squares, or from the scaled
-  ones (under ``lax.cond``, computed only then) where a plain sum over- or underflowed."""
+  ones where a plain sum over- or underflowed: on the CPU under ``lax.cond``, computed only then;
+  elsewhere the sums at both rescue scales beside the plain ones (`_ratios.per_platform`)."""
   adapted = layout.per_slot(adapts)
 
   def sq_norms(xs: list) -> list:  # per leaf; zeros where the leaf does not adapt (ratio 1)
@@ -190,11 +191,24 @@ def _ratio_vector(
     exact = _ratios.with_scaled_sums(sums, layout, names, p_scaled, u_scaled)
     return _ratios.ratio_vector(exact, s, adapted)
 
-  return jax.lax.cond(
+  def on_accelerator() -> jax.Array:
+    zeros = lambda x, k: jnp.zeros(jnp.shape(x)[:k], jnp.float32)
+    scales = _ratios.opaque_scales()[1:]
+    at = [
+      _ratios.leaf_sq_sums(p, u, stacked_axes=k, scales=scales, partial_count=1)
+      if a else (zeros(p, k),) * 4
+      for p, u, k, a in zip(ps, us, axes, adapts, strict=True)
+    ]  # fmt: skip
+    p_down, p_up, u_down, u_up = ([x[i] for x in at] for i in range(4))
+    exact = _ratios.with_fixed_scale_sums(sums, layout, names, p_down, u_down, p_up, u_up)
+    return _ratios.ratio_vector(exact, s, adapted)
+
+  on_cpu = lambda: jax.lax.cond(
     _ratios.needs_rescue(sums.param, sums.update, adapted),
     rescued,
     lambda: _ratios.ratio_vector(sums, s, adapted),
   )
+  return jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
 
 
 def trust_ratios(opt_state: Any) -> Any:

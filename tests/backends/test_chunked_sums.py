@@ -40,8 +40,9 @@ def lamb(backend, **kwargs):
   )  # fmt: skip
 
 
-def loops(backend, fused=False, **kwargs) -> int:
-  """The while loops in one step of `lamb(backend)`, as lowered (nothing compiled)."""
+def loops(backend, fused=False, platform="cpu", **kwargs) -> int:
+  """The while loops in one step of `lamb(backend)`, as lowered for `platform` (nothing
+  compiled)."""
   tx = lamb(backend, **kwargs)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   state = jax.eval_shape(tx.init, params)
@@ -49,7 +50,8 @@ def loops(backend, fused=False, **kwargs) -> int:
     step = lambda g, s, p: optax_lamb.update_and_apply(tx, g, s, p)
   else:
     step = tx.update
-  return jax.jit(step).lower(params, state, params).as_text().count("stablehlo.while")
+  lowered = jax.jit(step).trace(params, state, params).lower(lowering_platforms=(platform,))
+  return lowered.as_text().count("stablehlo.while")
 
 
 @pytest.mark.parametrize(  # skip_nonfinite: 16 s, CI runs it (-m slow)
@@ -84,13 +86,13 @@ def test_8bit_leaves_of_two_axes_or_more_take_the_loop():
   assert loops(XlaBackend(chunked_sums=1500), mu_dtype=jnp.float32) == 4  # one moment 8-bit
 
 
-def test_on_one_cpu_device_auto_chunks_the_8bit_leaves(monkeypatch):
+def test_on_one_cpu_device_auto_chunks_the_8bit_leaves():
   """The rule `XlaBackend.chunked_sums=None` applies: with joint small sums (one device, no
-  mesh) on the CPU backend; not for float32 moments, nor off the CPU."""
+  mesh) in the program for a CPU; not for float32 moments, nor in a GPU's (one trace serves
+  both: `_ratios.per_platform`)."""
   one_device = XlaBackend(joint_small_sums=True)
   assert loops(one_device) == 4
   assert loops(one_device, fused=True) == 4
   assert loops(XlaBackend(joint_small_sums=False)) == 0  # several devices: a mesh may shard
   assert loops(one_device, mu_dtype=jnp.float32, nu_dtype=jnp.float32) == 0
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert loops(one_device) == 0
+  assert loops(one_device, platform="cuda") == 0

@@ -4,8 +4,10 @@ XLA would give several param-sized intermediates, reading each leaf many times).
 * pass 1 (reads g, m, v, p; writes m, v in place) updates the moments and yields the two
   squared norms ||p||^2 and ||u||^2 from one reduction;
 * the ratios, from the two squared-norm vectors (`_ratios.ratio_vector`; where a plain sum
-  over- or underflowed, from its scaled sums, only then, under ``lax.cond``, whose operands are
-  kept few: XLA:CPU spends about 1 us a call on each);
+  over- or underflowed, from its scaled sums: on the CPU only then, under ``lax.cond``, whose
+  operands are kept few (XLA:CPU spends about 1 us a call on each); on other platforms from the
+  sums at both rescue scales, summed in pass 1's reduction: no conditional, whose predicate
+  XLA:GPU would read on the host, `_ratios.per_platform`);
 * pass 2 (reads p, m, v; writes p or the updates in place) recomputes u from the new moments
   (bit-identical to pass 1's) and applies ratio and learning rate.
 
@@ -78,7 +80,7 @@ class XlaBackend(fields.Checked):
     joint = _ratios.one_device() if self.joint_small_sums is None else self.joint_small_sums
     rows_on = joint and all(name is None for name in plan.leaf_names)  # psums per leaf
     kept = _smallest_within(plan.leaves, self.materialize_u_max_size, rows_on)
-    auto_chunks = _chunked_sums.CHUNK_ELEMENTS if joint and _ratios.column_blocks() else 0
+    auto_chunks = _chunked_sums.CHUNK_ELEMENTS if joint and _ratios.column_blocks("cpu") else 0
     chunks = auto_chunks if self.chunked_sums is None else self.chunked_sums
     firsts = [
       _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on, joint=joint, chunks=chunks)
@@ -152,6 +154,8 @@ class _Pass1(NamedTuple):
   u: jax.Array | None  # kept for the update (small leaves), else recomputed in pass 2
   kept: jax.Array | None  # caution's kept fraction per slice (None without caution)
   p: jax.Array | None = None  # the params the norm is of, where u is kept (the sums come later)
+  # off the CPU, the sums at `_ratios.DOWN` and `UP`: (p's, u's) at DOWN, (p's, u's) at UP
+  scaled: tuple[jax.Array, ...] | None = None
 
 
 def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> jax.Array:
@@ -184,8 +188,9 @@ def _pass1(
   joint: bool,
   chunks: int,
 ) -> _Pass1:
-  """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`, 8-bit
-  moments' to a loop over `chunks` elements at a time (0: not)."""
+  """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`. On the CPU
+  the plain sums, 8-bit moments' from a loop over `chunks` elements at a time (0: not); on
+  other platforms the sums at `_ratios.SCALES` in the same reduction (no loop)."""
   o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
@@ -201,27 +206,42 @@ def _pass1(
     m_c, v_c, x, kept = jax.lax.optimization_barrier((m_c, v_c, x, kept))
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
-    return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept)
+    return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept, scaled=(zeros,) * 4)
   quantized = any(isinstance(y, _moment_storage.QuantizedMoment) for y in (x.m, x.v))
-  if chunks and quantized and not (keep_u or o.caution) and _chunked_sums.applies(leaf.shape, k):
-    sums = _chunked_sums.norm_sums(x, o, s, decay=leaf.decay, stacked_axes=k, chunk_elements=chunks)
-    return _Pass1(m, v, m_c, v_c, *sums, None, kept)
-  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
+  loop = chunks and quantized and not (keep_u or o.caution) and _chunked_sums.applies(leaf.shape, k)
+  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)  # the loop's program leaves it unused
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   if keep_u and in_rows:  # small leaf: computing u once and keeping it beats computing it twice
     return _Pass1(m, v, m_c, v_c, None, None, u, kept, p)
-  if keep_u:  # u in memory: a plain reduction per sum
-    p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=1, joint=joint)
-    return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u, kept)
-  p_sq, u_sq = _ratios.leaf_sq_sums(p, u, stacked_axes=k, joint=joint)
-  return _Pass1(m, v, m_c, v_c, p_sq, u_sq, None, kept)
+  partials = 1 if keep_u else _ratios.PARTIALS  # u in memory: a plain reduction per sum
+
+  def on_cpu() -> tuple:
+    sums: tuple[jax.Array, ...]
+    if loop:
+      sums = _chunked_sums.norm_sums(x, o, s, decay=leaf.decay, stacked_axes=k,
+                                     chunk_elements=chunks)  # fmt: skip
+    else:
+      sums = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=partials, joint=joint,
+                                  columns=_ratios.column_blocks("cpu"))  # fmt: skip
+    return (*sums, *(jnp.zeros_like(a) for a in sums), *(jnp.zeros_like(a) for a in sums))
+
+  def on_accelerator() -> tuple:
+    p1, p_down, p_up, u1, u_down, u_up = _ratios.leaf_sq_sums(
+      p, u, stacked_axes=k, scales=_ratios.opaque_scales(), partial_count=partials, joint=joint,
+      columns=_ratios.column_blocks("cuda"),
+    )  # fmt: skip
+    return p1, u1, p_down, u_down, p_up, u_up
+
+  p_sq, u_sq, *scaled = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
+  return _Pass1(m, v, m_c, v_c, p_sq, u_sq, u if keep_u else None, kept, scaled=tuple(scaled))
 
 
 def _ratios_of(
   plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1], rows: SliceRows, joint: bool
 ) -> jax.Array:
-  """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales, computed
-  only then from few operands: the small leaves' rows, the others' new moments and params."""
+  """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales: on the
+  CPU computed only then from few operands (the small leaves' rows, the others' new moments and
+  params); elsewhere pass 1's sums at both scales (and the rows' at both), chosen per slot."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
   p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
   sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, rows_sq_sums(rows, layout))
@@ -242,11 +262,23 @@ def _ratios_of(
     )
     return _ratios.ratio_vector(exact, plan.scalars, adapted)
 
-  return jax.lax.cond(
+  def on_accelerator() -> jax.Array:
+    slots = layout.offsets[-1]
+    at = lambda scale: rows_sq_sums(rows, layout, [jnp.full(slots, scale, jnp.float32)] * 2)
+    _, down, up = _ratios.opaque_scales()
+    row_sums = [(*d, *u) for d, u in zip(at(down), at(up), strict=True)]
+    p_down, u_down, p_up, u_up = ([f.scaled and f.scaled[i] for f in firsts] for i in range(4))
+    exact = _ratios.with_fixed_scale_sums(
+      sums, layout, names, p_down, u_down, p_up, u_up, rows.members, row_sums
+    )
+    return _ratios.ratio_vector(exact, plan.scalars, adapted)
+
+  on_cpu = lambda: jax.lax.cond(
     _ratios.needs_rescue(sums.param, sums.update, adapted),
     rescued,
     lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
   )
+  return jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
 
 
 def _scaled_sums(
