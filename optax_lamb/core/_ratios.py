@@ -59,11 +59,9 @@ def sq_norm(
   return _reduced((squares(x, scale),), stacked_axes, 1, False, joint)[0]
 
 
-# Blocks of a leaf's sums of squares, in one of two layouts (benchmarks/NOTES.md, "Memory"):
-# - "rows": each block summed along its contiguous row into one partial sum, so a sum's only
-#   temporary is PARTIALS floats (what fits on an accelerator);
-# - "columns": the blocks added element by element into one block-sized accumulator per sum
-#   (2/PARTIALS of the leaf for the two norms), which XLA:CPU vectorises (rows: 1.3-1.5x slower).
+# A leaf's sums of squares in blocks (benchmarks/NOTES.md, "Memory"): "rows" sums each block along
+# its row (PARTIALS floats of temporaries: accelerators); "columns" adds the blocks element-wise into
+# one accumulator per sum (2/PARTIALS of the leaf, vectorised by XLA:CPU: rows 1.3-1.5x slower);
 # "auto": columns in the program lowered for a CPU, rows in the others (`per_platform`).
 NormBlocks = Literal["auto", "rows", "columns"]
 NORM_BLOCKS: NormBlocks = "auto"
@@ -75,9 +73,8 @@ PLATFORM_BRANCH: Literal["lowered", "cpu", "accelerator"] = "lowered"
 
 def per_platform(cpu: Callable, accelerator: Callable) -> dict[str, Callable]:
   """`jax.lax.platform_dependent`'s branches (call it with ``**per_platform(...)``): `cpu` in the
-  program lowered for a CPU, `accelerator` for any other platform; one trace serves both, the
-  choice folded before XLA compiles. For what XLA:CPU needs (speed, memory) and costs an
-  accelerator: a conditional or a loop, whose predicate XLA:GPU reads on the host every step."""
+  program lowered for a CPU, `accelerator` elsewhere; one trace serves both. For what XLA:CPU needs
+  and an accelerator must not run: a conditional or loop, whose predicate XLA:GPU reads on the host."""
   if PLATFORM_BRANCH != "lowered":  # both keys one function: jax runs it wherever
     cpu = accelerator = cpu if PLATFORM_BRANCH == "cpu" else accelerator
   return {"cpu": cpu, "default": accelerator}
@@ -381,8 +378,7 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
     for x, name, j in zip(leaves, names, joint, strict=True):
       s: Any = scale
       if scale != 1.0:  # in the conditional's branch, where x is already a buffer: free
-        # A scale of each leaf's own: XLA:CPU shares one broadcast of a constant among leaves of
-        # one shape and stores it, a leaf-sized temporary (benchmarks/NOTES.md, 2026-11-28).
+        # Each leaf's own scale: XLA:CPU stored one shared broadcast (NOTES.md, 2026-11-28).
         s, x = jax.lax.optimization_barrier((jnp.asarray(scale, jnp.float32), x))
       sq = sq_norm(x, joint=j, scale=s)
       by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq

@@ -1,6 +1,6 @@
 """The accelerators' program, run on the CPU: the same step as the CPU's, value for value.
 
-Off the CPU the package replaces its conditionals with arithmetic (`optax_lamb._ratios.
+Off the CPU the package replaces its conditionals with arithmetic (`optax_lamb.core._ratios.
 per_platform`; tests/backends/test_accelerator_program.py counts them): the norms' rescue sums
 at both fixed scales beside the plain ones, the clipping norm's three sums in one pass, skipping
 a select of the new or the old state, no ordering conditional for narrow moments. The CPU suite
@@ -19,7 +19,8 @@ import optax
 import pytest
 
 import optax_lamb
-from optax_lamb import _ratios, compat
+from optax_lamb import compat
+from optax_lamb.core import _ratios
 
 SHAPES = {"w": (160, 128), "stack": (2, 64, 64), "b": (64,), "s": ()}  # w: blocked sums
 STACKED = {"w": 0, "stack": 1, "b": 0, "s": 0}

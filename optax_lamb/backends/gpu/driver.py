@@ -98,7 +98,7 @@ class KernelSet(Protocol):
 
 
 class GpuBackend(fields.Checked):
-  """The `optax_lamb._registry.Backend` protocol on a kernel set; subclasses are frozen dataclasses
+  """The `optax_lamb.step._registry.Backend` protocol on a kernel set; subclasses are frozen dataclasses
   with an ``interpret: bool | None`` field and a ``name``."""
 
   name: str
