@@ -24,8 +24,9 @@ def is_sharded(x: jax.Array) -> bool:
   return any(n > 1 for n in shards(x))
 
 
-def first_axis_blocks(x: jax.Array, stacked_axes: int, target: int,
-                      columns: bool) -> tuple[tuple[int, ...] | None, bool]:  # fmt: skip
+def first_axis_blocks(
+  x: jax.Array, stacked_axes: int, target: int, columns: bool
+) -> tuple[tuple[int, ...] | None, bool]:
   """A view of x's slices (all but the first `stacked_axes` axes) in about `target` blocks of
   their first axis (b blocks of d0 / b rows: contiguous, as a flat view's b blocks), b a multiple
   of that axis's pieces so that each device keeps whole blocks, and the layout (`columns` or

@@ -196,9 +196,10 @@ def _ratio_vector(
     scales = _ratios.opaque_scales()[1:]
     at = [
       _ratios.leaf_sq_sums(p, u, stacked_axes=k, scales=scales, partial_count=1)
-      if a else (zeros(p, k),) * 4
+      if a
+      else (zeros(p, k),) * 4
       for p, u, k, a in zip(ps, us, axes, adapts, strict=True)
-    ]  # fmt: skip
+    ]
     p_down, p_up, u_down, u_up = ([x[i] for x in at] for i in range(4))
     exact = _ratios.with_fixed_scale_sums(sums, layout, names, p_down, u_down, p_up, u_up)
     return _ratios.ratio_vector(exact, s, adapted)

@@ -23,8 +23,9 @@ from optax_lamb.core import _ratios
 from optax_lamb.core._options import LambOptions
 
 
-def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, scalar_layout,
-           in_def, out_def) -> None:  # fmt: skip
+def kernel(
+  scalars_ref, *refs, table: Table, block: int, options: LambOptions, scalar_layout, in_def, out_def
+) -> None:
   """m', v' (in place where stored unrounded) and the chunk's partial sums of ||p||^2, ||u||^2
   at every `_ratios.SCALES` (six numbers: p's three, then u's)."""
   ins = jax.tree.unflatten(in_def, refs[: in_def.num_leaves])
@@ -47,8 +48,9 @@ def kernel(scalars_ref, *refs, table: Table, block: int, options: LambOptions, s
 @functools.partial(
   jax.jit, static_argnames=("table", "options", "scalar_layout", "block_sizes", "interpret")
 )
-def moments_and_norms(scalars, leaves, *, table, options, scalar_layout, block_sizes: BlockSizes,
-                      interpret) -> tuple[list[dict], jax.Array]:  # fmt: skip
+def moments_and_norms(
+  scalars, leaves, *, table, options, scalar_layout, block_sizes: BlockSizes, interpret
+) -> tuple[list[dict], jax.Array]:
   """Pass 1 over one bucket. `leaves`: per leaf of `table`, ``{g, m, p, v}`` flat arrays.
 
   Returns (per leaf ``{m, v}`` for the leaves whose moments it writes, else ``{}``;

@@ -218,18 +218,30 @@ def _pass1(
   def on_cpu() -> tuple:
     sums: tuple[jax.Array, ...]
     if loop:
-      sums = _chunked_sums.norm_sums(x, o, s, decay=leaf.decay, stacked_axes=k,
-                                     chunk_elements=chunks)  # fmt: skip
+      sums = _chunked_sums.norm_sums(
+        x, o, s, decay=leaf.decay, stacked_axes=k, chunk_elements=chunks
+      )
     else:
-      sums = _ratios.leaf_sq_sums(p, u, stacked_axes=k, partial_count=partials, joint=joint,
-                                  columns=_ratios.column_blocks("cpu"))  # fmt: skip
+      sums = _ratios.leaf_sq_sums(
+        p,
+        u,
+        stacked_axes=k,
+        partial_count=partials,
+        joint=joint,
+        columns=_ratios.column_blocks("cpu"),
+      )
     return (*sums, *(jnp.zeros_like(a) for a in sums), *(jnp.zeros_like(a) for a in sums))
 
   def on_accelerator() -> tuple:
     p1, p_down, p_up, u1, u_down, u_up = _ratios.leaf_sq_sums(
-      p, u, stacked_axes=k, scales=_ratios.opaque_scales(), partial_count=partials, joint=joint,
+      p,
+      u,
+      stacked_axes=k,
+      scales=_ratios.opaque_scales(),
+      partial_count=partials,
+      joint=joint,
       columns=_ratios.column_blocks("cuda"),
-    )  # fmt: skip
+    )
     return p1, u1, p_down, u_down, p_up, u_up
 
   p_sq, u_sq, *scaled = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
