@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
 
 FusedApply = Callable[[Any, Any, Any], tuple[Any, Any]]  # (grads, state, params) -> (params, state)
@@ -23,6 +24,15 @@ class FusableTransformation(optax.GradientTransformationExtraArgs):
     tx = super().__new__(cls, init, update)
     tx.fused_apply = fused_apply
     return tx
+
+
+# A pytree of its two functions, the fused apply kept as static data: a namedtuple's default rule
+# would rebuild it from (init, update) alone (flax's nnx.Optimizer maps its tx as a pytree).
+jax.tree_util.register_pytree_node(
+  FusableTransformation,
+  lambda tx: ((tx.init, tx.update), tx.fused_apply),
+  lambda fused_apply, children: FusableTransformation(*children, fused_apply),
+)
 
 
 def update_and_apply(

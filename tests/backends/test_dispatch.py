@@ -335,3 +335,17 @@ def test_pallas_is_an_alias_of_pallas_triton():
   from optax_lamb.backends.pallas_triton import PallasTritonBackend
 
   assert PallasBackend is PallasTritonBackend
+
+
+def test_the_fused_apply_survives_a_tree_map_of_the_transformation():
+  """lamb's transformation is a pytree of (init, update) with its fused apply as static data:
+  rebuilt by jax.tree.map (as flax's nnx.Optimizer does) it still carries it, and
+  update_and_apply gives the same step."""
+  tx = optax_lamb.lamb(1e-3)
+  rebuilt = jax.tree.map(lambda f: f, tx)
+  assert type(rebuilt) is type(tx) and rebuilt.fused_apply is tx.fused_apply
+  params = {"w": jnp.ones((4, 3))}
+  grads = {"w": jnp.full((4, 3), 0.5)}
+  got = optax_lamb.update_and_apply(rebuilt, grads, rebuilt.init(params), params)
+  want = optax_lamb.update_and_apply(tx, grads, tx.init(params), params)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
