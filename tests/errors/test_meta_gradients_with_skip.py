@@ -21,7 +21,7 @@ from helpers.implementations import lamb_for
 STEPS = 3
 # The Pallas kernels take float32 params (float64 ones run on the XLA path, an error in the
 # tests' configuration): float32 params there, float64 hyper-parameters.
-PARAM_DTYPES = {"pallas": jnp.float32}
+PARAM_DTYPES = {"pallas": jnp.float32, "pallas-mosaic-gpu": jnp.float32}
 RTOL = {jnp.float64: 1e-9, jnp.float32: 1e-5}  # float64: a few hundred roundings; float32: README
 
 
@@ -69,6 +69,7 @@ CASES = [
   *[(name, "inject_hyperparams") for name in ("xla", "xla-one-device", "xla-large-tree")],
   *[(name, "inject_hyperparams") for name in ("reference", "pallas")],
   *[(name, "traced_arguments") for name in ("xla", "reference", "pallas")],
+  ("pallas-mosaic-gpu", "inject_hyperparams"),
 ]
 
 
