@@ -22,6 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import optax
+from helpers.options import LAMB_NUMBERS
 
 import optax_lamb
 from optax_lamb import compat
@@ -127,29 +128,17 @@ _MULTI_STEPS_OUTSIDE_OFFLOAD = Exclusion(
   "cond branches must have equal output types",
 )
 
-_LAMB_NUMBERS = {
-  "learning_rate": 2e-2,
-  "b1": 0.8,
-  "b2": 0.99,
-  "eps": 1e-4,
-  "eps_root": 1e-8,
-  "weight_decay": 0.1,
-  "min_trust_ratio": 0.5,
-  "max_trust_ratio": 0.7,
-  "max_grad_norm": 0.5,
-  "grad_scale": 4.0,
-}
 _lamb_fused_wrappers = functools.partial(optax_lamb.lamb, skip_nonfinite=True, master_weights=True)
 _lamb_8bit = functools.partial(optax_lamb.lamb, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
 
 ENTRIES = (
-  Entry("lamb", optax_lamb.lamb, params_copies=2, numbers=_LAMB_NUMBERS),
+  Entry("lamb", optax_lamb.lamb, params_copies=2, numbers=LAMB_NUMBERS),
   # lamb's own skipping and master weights (fused into its step): the master copy, two moments
   Entry("lamb(skip_nonfinite, master_weights)", _lamb_fused_wrappers, params_copies=3,
-        constructor=optax_lamb.lamb, numbers=_LAMB_NUMBERS),
+        constructor=optax_lamb.lamb, numbers=LAMB_NUMBERS),
   # 8-bit moments: each a QuantizedMoment (codes shaped like the param, block scales)
   Entry("lamb(mu_dtype=int8, nu_dtype=uint8)", _lamb_8bit, params_copies=2,
-        constructor=optax_lamb.lamb, numbers=_LAMB_NUMBERS, static_args=("mu_dtype", "nu_dtype")),
+        constructor=optax_lamb.lamb, numbers=LAMB_NUMBERS, static_args=("mu_dtype", "nu_dtype")),
   Entry("scale_by_adam", optax_lamb.scale_by_adam, params_copies=2, numbers={
     "b1": 0.8, "b2": 0.99, "eps": 1e-4, "eps_root": 1e-8}),
   Entry("add_decayed_weights", optax_lamb.add_decayed_weights, params_copies=0,

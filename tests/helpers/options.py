@@ -214,3 +214,19 @@ def numpy_lamb(params, grads_per_step, options: dict):
     g = {n: np.asarray(x, np.float64) for n, x in zip(names, jax.tree.leaves(grads), strict=True)}
     p = ref.step(p, g)
   return p, ref.ratios
+
+
+# lamb's numeric arguments, each with a value other than its default (and one that acts on the
+# test trees): what optax.inject_hyperparams injects in tests/stages and tests/contract.
+LAMB_NUMBERS = {
+  "learning_rate": 2e-2,
+  "b1": 0.8,
+  "b2": 0.99,
+  "eps": 1e-4,
+  "eps_root": 1e-8,
+  "weight_decay": 0.1,
+  "min_trust_ratio": 0.5,
+  "max_trust_ratio": 0.7,
+  "max_grad_norm": 0.5,
+  "grad_scale": 4.0,
+}

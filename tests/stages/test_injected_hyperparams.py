@@ -7,6 +7,7 @@ from __future__ import annotations
 import optax
 import pytest
 from helpers.implementations import TINY_BLOCKS
+from helpers.options import LAMB_NUMBERS
 from helpers.two_leaves import assert_close, run_steps
 
 import optax_lamb
@@ -14,21 +15,6 @@ from optax_lamb.backends.pallas import PallasBackend
 
 PALLAS = PallasBackend(block_sizes=TINY_BLOCKS, interpret=True)
 IMPLEMENTATIONS = {"xla": "xla", "reference": "reference", "pallas": PALLAS}
-
-
-# lamb's numeric arguments, each with a value other than its default (and one that acts here).
-LAMB_NUMBERS = {
-  "learning_rate": 2e-2,
-  "b1": 0.8,
-  "b2": 0.99,
-  "eps": 1e-4,
-  "eps_root": 1e-8,
-  "weight_decay": 0.1,
-  "min_trust_ratio": 0.5,
-  "max_trust_ratio": 0.7,
-  "max_grad_norm": 0.5,
-  "grad_scale": 4.0,
-}
 
 
 # Pallas in interpret mode is slow: the arguments its kernels read as scalars from the step.
