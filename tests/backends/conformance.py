@@ -158,7 +158,8 @@ class Conformance:
   IMPLEMENTATION: str  # a name of helpers.implementations.IMPLEMENTATIONS
 
   @pytest.fixture(autouse=True, scope="class")
-  def _fresh_compilation_caches_per_class(self):
+  @classmethod
+  def _fresh_compilation_caches_per_class(cls):
     """Drop jax's compiled executables after each implementation's class, as conftest does after
     each module: test_conformance.py holds every class, and with the Mosaic GPU class one process
     compiled enough programs for XLA:CPU to crash (a segfault serializing an executable, once in
