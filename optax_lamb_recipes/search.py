@@ -19,10 +19,11 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
-from optax_lamb_recipes import analysis, presets, records, splits
+from optax_lamb_recipes import analysis, presets, records, report, splits
 from optax_lamb_recipes.presets import FAMILIES, SweepConfig
 
 # Log-uniform ranges. The learning-rate factors span the claim grid's and beyond on both sides.
@@ -56,12 +57,19 @@ class SearchConfig:
   stream: tuple[int, ...] = ()  # more keys of the draws' generator: draws of their own
   stratified: bool = False  # one draw in each 1/trials of every log range (Latin hypercube)
   keep_ratios: bool = False  # record per-layer trust ratios and relative steps (thinned)
+  select_seeds: int = 1  # the first this many seeds train every trial; their mean validation picks
+  known: Mapping[str, tuple[dict[str, float], ...]] | None = None  # settings after the draws
 
   def draw(self, family: str, batch: int) -> list[dict[str, float]]:
-    return draw_trials(
+    """The trials of ``family`` at ``batch``: the random draws, then its known settings."""
+    drawn = draw_trials(
       family, batch, self.trials, spaces=self.spaces, stream=self.stream,
       stratified=self.stratified,
     )  # fmt: skip
+    return drawn + [dict(k) for k in (self.known or {}).get(family, ())]
+
+  def trials_of(self, family: str) -> int:
+    return self.trials + len((self.known or {}).get(family, ()))
 
 
 PRESETS = {
@@ -103,18 +111,19 @@ def edges(cfg: SearchConfig) -> tuple[int, ...]:
 
 
 def chosen(cfg: SearchConfig, runs: list[dict]) -> dict[tuple[str, int], int]:
-  """``(family, batch) -> trial`` with the best final validation loss on the first seed, once
-  every trial of that cell has trained."""
+  """``(family, batch) -> trial`` with the best final validation loss, averaged over the
+  selection seeds (the first ``cfg.select_seeds``), once every trial has trained on each."""
+  selecting = cfg.seeds[: cfg.select_seeds]
   out = {}
   for family in FAMILIES:
     for b in edges(cfg):
-      scored = {
-        r["trial"]: records.final(r, "validation")
-        for r in runs
-        if (r["seed"], r["family"], r["batch"]) == (cfg.seeds[0], family, b)
-      }
-      if len(scored) == cfg.trials:
-        out[family, b] = min(scored, key=scored.get)
+      scored: dict[int, list[float]] = {}
+      for r in runs:
+        if r["seed"] in selecting and (r["family"], r["batch"]) == (family, b):
+          scored.setdefault(r["trial"], []).append(records.final(r, "validation"))
+      complete = {t: float(np.mean(v)) for t, v in scored.items() if len(v) == len(selecting)}
+      if len(complete) == cfg.trials_of(family):
+        out[family, b] = min(complete, key=complete.get)
   return out
 
 
@@ -166,8 +175,8 @@ def run_search(cfg: SearchConfig, *, out: str, previous: dict | None = None) -> 
   for seed in cfg.seeds:
     for family in FAMILIES:
       for b in edges(cfg):
-        if seed == cfg.seeds[0]:
-          which = list(range(cfg.trials))
+        if seed in cfg.seeds[: cfg.select_seeds]:
+          which = list(range(cfg.trials_of(family)))
         else:
           which = [chosen(cfg, runs)[family, b]]
         which = [i for i in which if (seed, family, b, i) not in have]
@@ -189,6 +198,8 @@ def _results(cfg: SearchConfig, data: dict, runs: list[dict], sessions: list[dic
       "spaces": cfg.spaces or SPACES,
       "stream": list(cfg.stream),
       "stratified": cfg.stratified,
+      "select_seeds": cfg.select_seeds,
+      "known": {f: list(k) for f, k in (cfg.known or {}).items()},
     },  # fmt: skip
     "config": dataclasses.asdict(cfg.sweep),
     "data": {k: v for k, v in data.items() if k != "seed"},
@@ -245,23 +256,31 @@ def findings(results: dict) -> str:
   return f"Both searched: {analysis.sides_of_zero(by_batch)}."
 
 
+def selection_seeds(results: dict) -> list[int]:
+  """The seeds on which every trial trained and was scored (the first, in older files)."""
+  search = results["search"]
+  return search["seeds"][: search.get("select_seeds", 1)]
+
+
 def format_chosen(results: dict) -> str:
-  """Markdown: the chosen trial of each optimizer and batch, and its validation loss."""
+  """Markdown: the chosen trial of each optimizer and batch, and its validation loss (the mean
+  over the selection seeds)."""
   lines = [
     "| optimizer | batch | peak lr | warm-up | beta2 | weight decay | eps | validation |",
     "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  first = results["search"]["seeds"][0]
+  selecting = selection_seeds(results)
   for c in results["chosen"]:
-    r = next(
+    at = [
       r
       for r in results["runs"]
-      if (r["seed"], r["family"], r["batch"], r["trial"])
-      == (first, c["family"], c["batch"], c["trial"])
-    )
-    h = r["hyper"]
+      if r["seed"] in selecting
+      and (r["family"], r["batch"], r["trial"]) == (c["family"], c["batch"], c["trial"])
+    ]
+    r, h = at[0], at[0]["hyper"]
+    validation = float(np.mean([records.final(x, "validation") for x in at]))
     settings = f"{r['peak_lr']:.2g}", f"{h['warmup_frac']:.1%}", f"{h['b2']:.4f}"
-    rest = f"{h['weight_decay']:.2g}", f"{h['eps']:.1g}", f"{records.final(r, 'validation'):.3f}"
+    rest = f"{h['weight_decay']:.2g}", f"{h['eps']:.1g}", f"{validation:.3f}"
     lines.append(analysis.markdown_row([c["family"], c["batch"], *settings, *rest]))
   return "\n".join(lines)
 
@@ -269,19 +288,24 @@ def format_chosen(results: dict) -> str:
 def format_compute(results: dict) -> str:
   """One sentence: the budget (trials, spaces), runs, wall and CPU time, machine, dates."""
   ranges = lambda space: ", ".join(f"{k} {lo:g} to {hi:g}" for k, (lo, hi) in space.items())
+  search = results["search"]
   how = (
-    "and stratified, one draw in each 1/n of every log range "
-    if results["search"].get("stratified")
-    else ""
+    "and stratified, one draw in each 1/n of every log range " if search.get("stratified") else ""
   )
+  known = {f: len(k) for f, k in search.get("known", {}).items() if k}
+  plus = (
+    " plus known settings (" + ", ".join(f"{report.OPTIMIZERS[f]} {n}" for f, n in known.items())
+    + ")" if known else ""
+  )  # fmt: skip
+  selecting = selection_seeds(results)
+  rest = [s for s in search["seeds"] if s not in selecting]
   return (
-    f"{results['search']['trials']} trials per optimizer at each batch, drawn log-uniformly {how}"
-    f"(LAMB: {ranges(results['search']['spaces']['lamb'])}; AdamW: "
-    f"{ranges(results['search']['spaces']['adamw'])}; factor on the square-root-rule learning "
-    f"rate, warm-up as a fraction of the steps), scored on validation with seed "
-    f"{results['search']['seeds'][0]}, the best rerun on seeds "
-    f"{', '.join(map(str, results['search']['seeds'][1:]))}: {len(results['runs'])} runs, "
-    f"{records.compute_used(results)}"
+    f"{search['trials']} trials per optimizer at each batch, drawn log-uniformly {how}"
+    f"(LAMB: {ranges(search['spaces']['lamb'])}; AdamW: {ranges(search['spaces']['adamw'])}; "
+    f"factor on the square-root-rule learning rate, warm-up as a fraction of the steps){plus}, "
+    f"scored on validation with seed{'s' * (len(selecting) > 1)} "
+    f"{', '.join(map(str, selecting))}, the best rerun on seeds {', '.join(map(str, rest))}: "
+    f"{len(results['runs'])} runs, {records.compute_used(results)}"
   )
 
 
