@@ -24,10 +24,11 @@ def test_the_8bit_config_quantizes_lambs_moments_and_adamw_refuses_it():
     train_lib.make_optimizer("adamw", 1e-3, opt=opt)
 
 
-def test_claim_preset_runs_1x_first_on_five_seeds_at_both_batches():
+def test_claim_preset_runs_1x_first_on_five_seeds_then_4x_on_ten_at_both_batches():
   runs = moments8.PRESETS["claim"].runs
   assert runs[:5] == tuple((1, s, (16, 512)) for s in range(5))
-  assert runs[5:] == tuple((4, s, (16, 512)) for s in range(5))
+  at_4x = {(s, b) for m, s, batches in runs[5:] for b in batches if m == 4}
+  assert at_4x == {(s, b) for s in range(10) for b in (16, 512)} and len(runs[5:]) == 15
 
 
 def _synthetic(rng):
