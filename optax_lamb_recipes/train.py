@@ -265,6 +265,7 @@ class Trainer:
     evals_per_phase: int = 8,
     progress: Callable[[int], None] | None = None,
     trials: Sequence[dict[str, float]] | None = None,
+    on_segment: Callable[[Any, Any], None] | None = None,
   ) -> list[RunResult]:
     """Train one family at several peak learning rates (side by side) through ``phases``.
 
@@ -276,6 +277,8 @@ class Trainer:
     ``progress(n)`` is called with the samples trained after each segment.
     ``trials`` (one phase only): per learning rate, a ``warmup_frac`` of the steps and values
     of ``SEARCHABLE`` replacing the trainer's ``opt``, as traced values (one compilation).
+    ``on_segment(params, state)`` after each segment, every learning rate's stacked on a leading
+    axis (moments8_diagnose.py): read them before returning, the next segment donates them.
     """
     start = time.perf_counter()
     n = len(peak_lrs)
@@ -295,6 +298,8 @@ class Trainer:
       off = offsets.get(ph.seq_len, 0)
       for seg in self._segments(train_data[ph.seq_len], off, ph, k, evals_per_phase, i):
         params, state, loss, ratios, moved = self._segment(params, state, hyper, seg, family=family)
+        if on_segment is not None:
+          on_segment(params, state)
         log.seen += len(seg.inputs) * self.micro
         log.samples.append(log.seen)
         log.train.append(np.asarray(loss))
