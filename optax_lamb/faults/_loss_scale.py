@@ -47,7 +47,7 @@ def given_scale(given: Any) -> Any:
 
 
 def unscale_gradients(
-  grad_scale: Any = None, *, from_update: bool = False
+  grad_scale: optax.ScalarOrSchedule | None = None, *, from_update: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   r"""Divide the gradients by a loss scale: :math:`g \leftarrow g / s`.
 
