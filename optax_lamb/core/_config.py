@@ -26,9 +26,9 @@ from optax_lamb.core._options import AxisNames, LambOptions, Scalar
 MaskTree: TypeAlias = "bool | np.bool_ | None | Mapping[Hashable, MaskTree] | Sequence[MaskTree]"
 AxesTree: TypeAlias = "int | None | Mapping[Hashable, AxesTree] | Sequence[AxesTree]"
 AxisNameTree: TypeAlias = "AxisNames | Mapping[Hashable, AxisNameTree] | Sequence[AxisNameTree]"
-PerLeafMask: TypeAlias = MaskTree | Callable[[optax.Params], MaskTree]  # True: the leaf takes it
-PerLeafAxes: TypeAlias = AxesTree | Callable[[optax.Params], AxesTree]  # leading stacked axes
-PerLeafAxisNames: TypeAlias = AxisNameTree | Callable[[optax.Params], AxisNameTree]
+PerLeafMask: TypeAlias = "MaskTree | Callable[[optax.Params], MaskTree]"  # True: the leaf takes it
+PerLeafAxes: TypeAlias = "AxesTree | Callable[[optax.Params], AxesTree]"  # leading stacked axes
+PerLeafAxisNames: TypeAlias = "AxisNameTree | Callable[[optax.Params], AxisNameTree]"
 
 
 class Hyperparams(NamedTuple):
