@@ -1,5 +1,10 @@
 """Checks of the arguments a transformation is built with; each error names the argument and value.
 
+`lamb_config` builds lamb's configuration and checks every field of it, the one place
+for `optax_lamb.lamb` and the compat constructors; the public stages check their own
+arguments with the same groups of checks (`check_adam_args`, `check_decay_args`,
+`check_trust_ratio_args`).
+
 Python and NumPy numbers are checked by value. A jax array may be a tracer
 (``optax.inject_hyperparams`` passes the numeric hyper-parameters as arrays,
 under jit), so only its shape and dtype are checked; a callable is a schedule
