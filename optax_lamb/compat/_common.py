@@ -2,8 +2,9 @@
 library rules.
 
 Each library's constructor (its own module) checks its arguments with that
-library's names and refusals, maps them onto `optax_lamb.core._options.LambConfig`
-(see ``docs/which_lamb.md`` for the mapping) with `build_args`, and builds the
+library's names and refusals, maps them onto `optax_lamb.core._config.LambConfig`
+(see ``docs/which_lamb.md`` for the mapping) with `build_args`, which checks it as
+`optax_lamb.lamb`'s is checked (`optax_lamb.faults._check_args.lamb_config`), and builds the
 transformation with `optax_lamb.step._transform.build`, as `optax_lamb.lamb` does.
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_lamb.core import _leaf, _ratios
-from optax_lamb.core._options import LambConfig
+from optax_lamb.core._config import PerLeafMask
 from optax_lamb.faults import _check_args, _checks
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,11 +35,11 @@ def check_betas(name: str, betas: Any) -> tuple[Any, Any]:
   return betas[0], betas[1]
 
 
-def check_mask(name: str, mask: Any) -> None:
+def check_mask(name: str, mask: PerLeafMask) -> None:
   _check_args.check_per_leaf(name, mask, "bool")
 
 
-def named_mask(name: str, mask: Any) -> Any:
+def named_mask(name: str, mask: PerLeafMask) -> PerLeafMask:
   """`mask` (None, a pytree prefix or a callable) as a callable(params) resolved under `name`.
 
   The core checks a mask against the params as ``mask``; resolved here first, a bad
@@ -61,7 +63,7 @@ def path_name(path: tuple) -> str:
   return "/".join(parts)
 
 
-def regex_mask(patterns: Sequence[str] | None) -> Callable[[Any], Any]:
+def regex_mask(patterns: Sequence[str] | None) -> PerLeafMask:
   """callable(params): True on the leaves whose '/'-joined path no pattern `re.search`es."""
   compiled = [re.compile(p) for p in patterns or ()]
 
@@ -113,30 +115,22 @@ def keras_clipping(
 
 def build_args(
   *,
-  learning_rate: Any,
+  learning_rate: optax.ScalarOrSchedule,
   learning_rate_name: str,
   lamb_options: dict,
-  grad_transform: Any = None,
-  **config: Any,
+  grad_transform: Callable[[Any, Any], Any] | None = None,
+  **config: object,
 ) -> dict[str, Any]:
   """The arguments of `optax_lamb.step._transform.build` for one compat constructor: its
-  `LambConfig` fields, then lamb's options (`lamb_options`); the constructor builds."""
-  _check_args.check_non_negative(learning_rate_name, learning_rate, schedule=True)
-  _check_args.check_per_leaf("stacked_axes", lamb_options["stacked_axes"], "int")
-  _check_args.check_axis_name("axis_name", lamb_options["axis_name"])
-  defaults = dict(
-    eps_root=0.0,
-    mask=None,
-    trust_ratio_mask=None,
-    min_trust_ratio=None,
-    max_trust_ratio=None,
-    max_grad_norm=None,
-  )
-  lamb_config = LambConfig.of(
+  `LambConfig`, built from `config` (fields by lamb's names) and checked, then lamb's options
+  (`lamb_options`); the constructor builds."""
+  lamb_config = _check_args.lamb_config(
+    learning_rate_name=learning_rate_name,
+    library_clip=True,
     learning_rate=learning_rate,
     stacked_axes=lamb_options["stacked_axes"],
     axis_name=lamb_options["axis_name"],
-    **{**defaults, **config},
+    **config,
   )
   return dict(
     config=lamb_config,
@@ -222,7 +216,7 @@ def check_torch_style(arguments: dict, flags: tuple[str, ...]) -> dict:
 NO_LEAF = False  # a trust_ratio_mask prefix that matches every leaf: no leaf adapts
 
 
-def adaptation(always: bool, weight_decay: float | None, weight_decay_mask: Any) -> dict:
+def adaptation(always: bool, weight_decay: float | None, weight_decay_mask: PerLeafMask) -> dict:
   """apex and timm: a leaf adapts iff its group's weight decay is not 0, or always; `make`'s
   keywords. `weight_decay` is its value, or None for an array: decided at each step then."""
   if always:
@@ -247,7 +241,7 @@ def torch_clip(max_grad_norm: Any, library: str) -> Any:
   return None if value == math.inf else value
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: object) -> TypeGuard[int | float]:
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 

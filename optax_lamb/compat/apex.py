@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import optax
 
 from optax_lamb.compat import _common
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -16,7 +15,7 @@ _FLAGS = ("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")  # t
 
 @_common.documented
 def apex_fused_lamb(
-  lr: Any = 1e-3,
+  lr: optax.ScalarOrSchedule = 1e-3,
   bias_correction: bool = True,
   betas: tuple[float, float] = (0.9, 0.999),
   eps: float = 1e-6,
@@ -27,13 +26,13 @@ def apex_fused_lamb(
   max_grad_norm: float = 1.0,
   use_nvlamb: bool = False,
   *,
-  weight_decay_mask: Any = None,
+  weight_decay_mask: PerLeafMask = None,
   set_grad_none: bool = True,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``apex.optimizers.FusedLAMB``, the optimizer of NVIDIA's BERT recipe.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import optax
 
 from optax_lamb.compat import _common
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -19,7 +19,7 @@ DEEPSPEED_CLIP_EPS = 1e-6  # added to the gradient norm before it is compared wi
 
 @_common.documented
 def deepspeed_fused_lamb(
-  lr: Any = 1e-3,
+  lr: optax.ScalarOrSchedule = 1e-3,
   bias_correction: bool = True,
   betas: tuple[float, float] = (0.9, 0.999),
   eps: float = 1e-8,
@@ -30,12 +30,12 @@ def deepspeed_fused_lamb(
   min_coeff: float = 0.01,
   amsgrad: bool = False,
   *,
-  weight_decay_mask: Any = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  weight_decay_mask: PerLeafMask = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``deepspeed.ops.lamb.FusedLamb``.

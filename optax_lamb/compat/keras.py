@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import optax
 
 from optax_lamb.compat import _common
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -14,21 +13,21 @@ from optax_lamb.step._transform import build
 
 @_common.documented
 def keras_lamb(
-  learning_rate: Any = 0.001,
+  learning_rate: optax.ScalarOrSchedule = 0.001,
   beta_1: float = 0.9,
   beta_2: float = 0.999,
   epsilon: float = 1e-7,
   weight_decay: float | None = None,
   *,
-  weight_decay_mask: Any = None,
+  weight_decay_mask: PerLeafMask = None,
   clipnorm: float | None = None,
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``keras.optimizers.Lamb`` (Keras 3).

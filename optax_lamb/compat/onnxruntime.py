@@ -12,6 +12,7 @@ import optax
 
 from optax_lamb.compat import _common
 from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args, _checks
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -19,7 +20,7 @@ from optax_lamb.step._update_and_apply import FusableTransformation
 
 
 def onnxruntime_lamb(
-  lr: Any = 1e-3,
+  lr: optax.ScalarOrSchedule = 1e-3,
   alpha: float = 0.9,
   beta: float = 0.999,
   lambda_coef: float = 0.0,
@@ -28,14 +29,14 @@ def onnxruntime_lamb(
   ratio_min: float = -math.inf,
   ratio_max: float = math.inf,
   do_bias_correction: bool = True,
-  loss_scale: Any = None,
+  loss_scale: optax.ScalarOrSchedule | None = None,
   *,
-  weight_decay_mask: Any = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  weight_decay_mask: PerLeafMask = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""ONNX Runtime training's ``LambOptimizer`` (com.microsoft domain), its CUDA kernels' results.

@@ -8,6 +8,7 @@ from typing import Any
 import optax
 
 from optax_lamb.compat import _common
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames
 from optax_lamb.faults import _check_args
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -34,7 +35,7 @@ def _check_keyword(name: str, value: Any) -> None:
 
 @_common.documented
 def tfa_lamb(
-  learning_rate: Any = 0.001,
+  learning_rate: optax.ScalarOrSchedule = 0.001,
   beta_1: float = 0.9,
   beta_2: float = 0.999,
   epsilon: float = 1e-6,
@@ -42,16 +43,16 @@ def tfa_lamb(
   exclude_from_weight_decay: list[str] | None = None,
   exclude_from_layer_adaptation: list[str] | None = None,
   *,
-  lr: Any = None,
+  lr: optax.ScalarOrSchedule | None = None,
   decay: float = 0.0,
   clipnorm: float | None = None,
   clipvalue: float | None = None,
   global_clipnorm: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``tensorflow_addons.optimizers.LAMB`` (TF Addons 0.23.0, Keras 2.15's legacy optimizer).

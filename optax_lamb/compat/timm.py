@@ -8,6 +8,7 @@ import jax
 import optax
 
 from optax_lamb.compat import _common
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -31,7 +32,7 @@ def _timm_validate(name: str, value: Any, argument: str) -> None:
 
 @_common.documented
 def timm_lamb(
-  lr: Any = 1e-3,
+  lr: optax.ScalarOrSchedule = 1e-3,
   bias_correction: bool = True,
   betas: tuple[float, float] = (0.9, 0.999),
   eps: float = 1e-6,
@@ -44,13 +45,13 @@ def timm_lamb(
   decoupled_decay: bool = False,
   corrected_weight_decay: bool = False,
   *,
-  weight_decay_mask: Any = None,
+  weight_decay_mask: PerLeafMask = None,
   base_lr: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``timm.optim.Lamb``.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import optax
 
 from optax_lamb.compat import _common
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
@@ -17,7 +17,7 @@ _FLAGS = ("adam", "debias")  # the bool arguments
 
 @_common.documented
 def torch_optimizer_lamb(
-  lr: Any = 1e-3,
+  lr: optax.ScalarOrSchedule = 1e-3,
   betas: tuple[float, float] = (0.9, 0.999),
   eps: float = 1e-6,
   weight_decay: float = 0,
@@ -25,12 +25,12 @@ def torch_optimizer_lamb(
   adam: bool = False,
   debias: bool = False,
   *,
-  weight_decay_mask: Any = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  weight_decay_mask: PerLeafMask = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""``torch_optimizer.Lamb`` (pytorch-optimizer).

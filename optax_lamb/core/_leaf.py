@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_lamb import _interop
 from optax_lamb.core import _moment_storage
@@ -52,7 +53,7 @@ def to_compute_dtype(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(compute_dtype(x.dtype)), tree)
 
 
-def unscale(g: jax.Array, grad_scale: Any) -> jax.Array:
+def unscale(g: jax.Array, grad_scale: Scalar) -> jax.Array:
   """g / s in float32 (at least): a loss-scaled float16 gradient underflows in float16 once
   unscaled."""
   dtype = compute_dtype(g.dtype)
@@ -286,7 +287,7 @@ def update(
   return kept(jnp.asarray(p + u).astype(p.dtype), p, s) if apply else u
 
 
-def overflow_limits(nu_dtype: Any, nus: list) -> list[float]:
+def overflow_limits(nu_dtype: np.dtype | None, nus: list) -> list[float]:
   """Per leaf, the largest |g| (after clipping) whose square fits its second moment's dtype
   (float32 for 8-bit moments: their scales, and the leaves too small to quantize)."""
   if nu_dtype is not None and jnp.dtype(nu_dtype) == jnp.uint8:

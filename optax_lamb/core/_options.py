@@ -4,8 +4,9 @@
 the moments' dtypes; `StepScalars` (a pytree) the numbers of one step, each a Python
 number (a compile-time constant), a 0-d array (a runtime scalar: a schedule's value, a
 hyper-parameter injected by ``optax.inject_hyperparams``) or None (off). `ScalarLayout.of`
-is the one place that decides which numbers are constants, by name. `Hyperparams` holds
-the numbers as given; `value_and_next_state` evaluates a schedule and steps its count.
+is the one place that decides which numbers are constants, by name (the configuration the
+step is planned from, with the numbers as given: `optax_lamb.core._config`);
+`value_and_next_state` evaluates a schedule and steps its count.
 `RatioLayout` is the static layout of a tree's trust ratios, `ScaleByTrustRatioState` the
 state that holds them (built by the trust-ratio stage and the planned step alike).
 
@@ -22,7 +23,7 @@ import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,8 @@ Scalar: TypeAlias = float | jax.Array
 DecayPlacement: TypeAlias = Literal["direction", "gradient", "params"]
 BiasCorrectionPlacement: TypeAlias = Literal["direction", "step_size"]
 DECAY_PLACEMENTS: tuple[DecayPlacement, ...] = ("direction", "gradient", "params")
+BIAS_CORRECTION_PLACEMENTS: tuple[BiasCorrectionPlacement, ...] = ("direction", "step_size")
+AxisNames: TypeAlias = str | tuple[str, ...] | None  # one leaf's mapped axes (None: replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,34 +67,6 @@ class LambOptions:
   @property
   def bias_correction_on_step_size(self) -> bool:
     return self.bias_correction and self.bias_correction_placement == "step_size"
-
-
-class Hyperparams(NamedTuple):
-  """lamb's numeric hyper-parameters as given: numbers, arrays or schedules; None where off."""
-
-  learning_rate: optax.ScalarOrSchedule
-  b1: Scalar = 0.9
-  b2: Scalar = 0.999
-  eps: Scalar = 1e-6
-  eps_root: Scalar = 0.0
-  weight_decay: optax.ScalarOrSchedule = 0.0
-  max_grad_norm: Scalar | None = None
-  clip_norm_eps: Scalar = 0.0  # the clip compares ||g|| + clip_norm_eps with max_grad_norm
-  min_trust_ratio: Scalar | None = None
-  max_trust_ratio: Scalar | None = None
-  max_param_norm: Scalar | None = None  # clamp of ||p|| in the ratio (torch_optimizer)
-  decay_base_lr: Scalar | None = None  # "params" placement: s = lr_t, or lr_t^2 / decay_base_lr
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PerLeafOptions:
-  """Options given per leaf (a value, a pytree prefix of the params, or a callable(params));
-  resolved against the params at each step (`optax_lamb.faults._checks.resolve_per_leaf`)."""
-
-  mask: Any = None  # weight-decay mask
-  trust_ratio_mask: Any = None
-  stacked_axes: Any = None
-  axis_name: Any = None
 
 
 class StepScalars(NamedTuple):
@@ -287,32 +262,14 @@ def grad_scale_at_step(built: Any, given: Any, state: Any) -> tuple[Any, Any]:
   return (given if given is not None else scale), state
 
 
-def is_axis_name(x: Any) -> bool:
+def is_axis_name(x: object) -> TypeGuard[AxisNames]:
   """True for one mapped-axis name (a str), a tuple of names, or None (not sharded)."""
   if x is None or isinstance(x, str):
     return True
   return type(x) is tuple and len(x) > 0 and all(isinstance(a, str) for a in x)
 
 
-class LambConfig(NamedTuple):
-  """A lamb transformation's configuration, as built: switches, numbers, per-leaf options."""
-
-  options: LambOptions
-  hyper: Hyperparams
-  per_leaf: PerLeafOptions
-
-  @classmethod
-  def of(cls, **fields: Any) -> LambConfig:
-    """The configuration from its fields by name (each field of one of the three objects)."""
-    names = [{f.name for f in dataclasses.fields(t)} for t in (LambOptions, PerLeafOptions)]
-    names.insert(1, set(Hyperparams._fields))
-    parts = [{k: fields.pop(k) for k in list(fields) if k in group} for group in names]
-    if fields:
-      raise TypeError(f"unknown lamb configuration fields: {sorted(fields)}")
-    return cls(LambOptions(**parts[0]), Hyperparams(**parts[1]), PerLeafOptions(**parts[2]))
-
-
-def psum_if(x: jax.Array, axis_name: Any) -> jax.Array:
+def psum_if(x: jax.Array, axis_name: AxisNames) -> jax.Array:
   """Sum over the named mapped axes (shard_map/pmap) when `axis_name` is given."""
   return x if axis_name is None else jax.lax.psum(x, axis_name)
 

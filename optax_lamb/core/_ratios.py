@@ -25,7 +25,7 @@ import numpy as np
 
 from optax_lamb.core import _leaf, _options, _sharded_views
 from optax_lamb.core._leaf import compute_dtype
-from optax_lamb.core._options import RatioLayout, StepScalars, replicated
+from optax_lamb.core._options import AxisNames, RatioLayout, StepScalars, replicated
 
 # Below this a float32 sum of squares may have lost terms to underflow (2^-100: about 8e-31).
 SMALL_SQUARED_NORM = 2.0**-100
@@ -261,7 +261,7 @@ def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.
 
 
 def caution_fraction(
-  u, g, stacked_axes: int = 0, axis_name: Any = None, joint: bool = False
+  u, g, stacked_axes: int = 0, axis_name: AxisNames = None, joint: bool = False
 ) -> jax.Array:
   """max(mean([u g > 0]), 1e-3) per leaf (or stacked slice), float32: caution's rescaling, `u`
   the Adam direction, `g` the moments' gradient, counted on every shard of `axis_name`."""

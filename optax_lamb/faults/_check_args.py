@@ -1,5 +1,10 @@
 """Checks of the arguments a transformation is built with; each error names the argument and value.
 
+`lamb_config` builds lamb's configuration and checks every field of it, the one place
+for `optax_lamb.lamb` and the compat constructors; the public stages check their own
+arguments with the same groups of checks (`check_adam_args`, `check_decay_args`,
+`check_trust_ratio_args`).
+
 Python and NumPy numbers are checked by value. A jax array may be a tracer
 (``optax.inject_hyperparams`` passes the numeric hyper-parameters as arrays,
 under jit), so only its shape and dtype are checked; a callable is a schedule
@@ -20,7 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb.core._options import LambConfig, is_axis_name
+from optax_lamb.core._config import Hyperparams, LambConfig
+from optax_lamb.core._options import (
+  BIAS_CORRECTION_PLACEMENTS,
+  DECAY_PLACEMENTS,
+  LambOptions,
+  is_axis_name,
+)
 
 _BOOLS = (bool, np.bool_)
 
@@ -171,30 +182,102 @@ def check_axis_name(name: str, value: Any) -> None:
       )
 
 
-def check_config(config: LambConfig) -> LambConfig:
-  """The numbers and switches of a lamb configuration that its constructor did not check itself
-  (the stages' arguments), with the moments' dtypes as NumPy dtypes."""
-  o, h, per_leaf = config
-  check_in_unit_interval("b1", h.b1)
-  check_in_unit_interval("b2", h.b2)
-  check_non_negative("eps", h.eps)
-  check_non_negative("eps_root", h.eps_root)
-  check_some_eps("eps", h.eps, "eps_root", h.eps_root)
-  check_bool("bias_correction", o.bias_correction)
-  check_bool("grad_averaging", o.grad_averaging)
-  options = dataclasses.replace(
-    o,
-    mu_dtype=check_moment_dtype("mu_dtype", o.mu_dtype),
-    nu_dtype=check_moment_dtype("nu_dtype", o.nu_dtype),
+def check_adam_args(
+  b1: Any,
+  b2: Any,
+  eps: Any,
+  eps_root: Any,
+  bias_correction: Any,
+  grad_averaging: Any,
+  mu_dtype: Any,
+  nu_dtype: Any,
+) -> tuple[np.dtype | None, np.dtype | None]:
+  """The Adam stage's arguments (lamb's too, by the same names); the moments' dtypes as
+  NumPy dtypes."""
+  check_in_unit_interval("b1", b1)
+  check_in_unit_interval("b2", b2)
+  check_non_negative("eps", eps)
+  check_non_negative("eps_root", eps_root)
+  check_some_eps("eps", eps, "eps_root", eps_root)
+  check_bool("bias_correction", bias_correction)
+  check_bool("grad_averaging", grad_averaging)
+  return check_moment_dtype("mu_dtype", mu_dtype), check_moment_dtype("nu_dtype", nu_dtype)
+
+
+def check_decay_args(weight_decay: Any, mask: Any) -> None:
+  """The decay stage's arguments (lamb's too, by the same names)."""
+  check_non_negative("weight_decay", weight_decay, schedule=True)
+  check_per_leaf("mask", mask, "bool")
+
+
+def check_trust_ratio_args(
+  mask: tuple[str, Any],
+  min_ratio: tuple[str, Any],
+  max_ratio: tuple[str, Any],
+  axes: Any,
+  names: Any,
+) -> None:
+  """The trust-ratio stage's per-leaf options and clamps, each a (name, value) as the caller
+  spells it (lamb: ``trust_ratio_mask``, ``min_trust_ratio``, ``max_trust_ratio``)."""
+  check_per_leaf(*mask, "bool")
+  check_ratio_bounds(*min_ratio, *max_ratio)
+  check_per_leaf("stacked_axes", axes, "int")
+  check_axis_name("axis_name", names)
+
+
+def lamb_config(
+  *, learning_rate_name: str = "learning_rate", library_clip: bool = False, **fields: object
+) -> LambConfig:
+  """lamb's configuration from its fields by name, checked: the one place that builds one.
+
+  Every field is checked, each error naming the argument and its value; the moments'
+  dtypes become NumPy dtypes and a schedule one that refuses non-scalar values.
+  `learning_rate_name`: the learning rate's name in the caller's signature. With
+  `library_clip`, ``max_grad_norm`` is a library's threshold, checked by its constructor
+  under the library's name and rules (0 zeroes every gradient, inf clips none); else lamb's,
+  a finite number > 0.
+  """
+  o, h, per_leaf = LambConfig.of(**fields)
+  check_non_negative(learning_rate_name, h.learning_rate, schedule=True)
+  mu_dtype, nu_dtype = check_adam_args(
+    h.b1, h.b2, h.eps, h.eps_root, o.bias_correction, o.grad_averaging, o.mu_dtype, o.nu_dtype
   )
-  check_non_negative("weight_decay", h.weight_decay, schedule=True)
+  check_decay_args(h.weight_decay, per_leaf.mask)
+  check_trust_ratio_args(
+    ("trust_ratio_mask", per_leaf.trust_ratio_mask),
+    ("min_trust_ratio", h.min_trust_ratio),
+    ("max_trust_ratio", h.max_trust_ratio),
+    per_leaf.stacked_axes,
+    per_leaf.axis_name,
+  )
+  if h.max_grad_norm is not None and not library_clip:
+    check_positive("max_grad_norm", h.max_grad_norm)
+  _check_variant_fields(o, h)
+  return LambConfig(
+    dataclasses.replace(o, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+    h._replace(
+      learning_rate=scalar_valued(h.learning_rate, "learning_rate"),
+      weight_decay=scalar_valued(h.weight_decay, "weight_decay"),
+    ),
+    per_leaf,
+  )
+
+
+def _check_variant_fields(o: LambOptions, h: Hyperparams) -> None:
+  """The fields only the compat constructors set (from arguments they check themselves,
+  under their own names): what each must be for the step to compute their variant."""
+  for name in ("caution", "adapt_if_decaying", "finite_guard"):
+    check_bool(name, getattr(o, name))
+  check_choice("weight_decay_placement", o.weight_decay_placement, DECAY_PLACEMENTS)
+  check_choice("bias_correction_placement", o.bias_correction_placement, BIAS_CORRECTION_PLACEMENTS)
+  check_non_negative("clip_norm_eps", h.clip_norm_eps)
+  if h.max_param_norm is not None:
+    check_non_negative("max_param_norm", h.max_param_norm)
   if o.adapt_if_decaying and callable(h.weight_decay):  # the gate is read as a number (_ratios)
     raise ValueError(
       "weight_decay must be a number or a scalar array where it decides which leaves adapt "
       f"(apex, timm), got weight_decay={h.weight_decay!r}"
     )
-  check_per_leaf("mask", per_leaf.mask, "bool")
-  return config._replace(options=options)
 
 
 def scalar_valued(value: Any, name: str) -> Any:

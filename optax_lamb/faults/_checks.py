@@ -18,7 +18,8 @@ import numpy as np
 import optax
 
 from optax_lamb.core import _options
-from optax_lamb.core._options import is_axis_name
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
+from optax_lamb.core._options import AxisNames, is_axis_name
 from optax_lamb.core._quantize import QuantizedMoment
 from optax_lamb.faults import _check_args, _explain
 
@@ -139,7 +140,9 @@ def check_state(state: Any, expected: Any, who: str) -> None:
 # ---------------------------------------------------------------- per-leaf options
 
 
-def resolve_per_leaf(option: Any, params: Any, default: Any, name: str, kind: str) -> Any:
+def resolve_per_leaf(
+  option: PerLeafMask | PerLeafAxes, params: Any, default: bool | int, name: str, kind: str
+) -> Any:
   """A per-leaf option given as a value, a pytree prefix of `params` or a callable(params).
 
   Returns a pytree with the structure of `params` whose leaves are the option's
@@ -165,7 +168,7 @@ def resolve_per_leaf(option: Any, params: Any, default: Any, name: str, kind: st
   )
 
 
-def resolve_stacked_axes(stacked_axes: Any, params: Any) -> Any:
+def resolve_stacked_axes(stacked_axes: PerLeafAxes, params: Any) -> Any:
   """Per-leaf number of leading stacked-layer axes, validated against leaf ranks."""
   axes = resolve_per_leaf(stacked_axes, params, 0, "stacked_axes", "int")
 
@@ -180,7 +183,7 @@ def resolve_stacked_axes(stacked_axes: Any, params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(check, axes, params)
 
 
-def resolve_axis_names(axis_name: Any, tree: Any) -> list[Any]:
+def resolve_axis_names(axis_name: PerLeafAxisNames, tree: Any) -> list[AxisNames]:
   """Per-leaf mapped-axis names, one per leaf of `tree` (in `jax.tree.leaves` order).
 
   `axis_name` is one name (str), a tuple of names, None, a pytree prefix of

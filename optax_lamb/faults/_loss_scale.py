@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb.core import _leaf, _options
+from optax_lamb.core._options import Scalar
 from optax_lamb.faults import _check_args
 
 
@@ -30,7 +31,7 @@ class UnscaleGradientsState(NamedTuple):
   count: jax.Array  # type: ignore[assignment]  # as optax's count states (shadows tuple.count)
 
 
-def unscale(grads: Any, grad_scale: Any) -> Any:
+def unscale(grads: Any, grad_scale: Scalar) -> Any:
   """Divide every gradient by `grad_scale` in float32 (at least) (`optax_lamb.core._leaf.unscale`).
 
   Low-precision gradients come back in float32: a loss-scaled float16 gradient
@@ -47,7 +48,7 @@ def given_scale(given: Any) -> Any:
 
 
 def unscale_gradients(
-  grad_scale: Any = None, *, from_update: bool = False
+  grad_scale: optax.ScalarOrSchedule | None = None, *, from_update: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   r"""Divide the gradients by a loss scale: :math:`g \leftarrow g / s`.
 

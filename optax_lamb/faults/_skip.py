@@ -11,7 +11,7 @@ import optax
 
 from optax_lamb import _nnx
 from optax_lamb.core import _leaf, _ratios
-from optax_lamb.core._options import LambConfig
+from optax_lamb.core._config import LambConfig, PerLeafAxisNames
 from optax_lamb.faults import _check_args, _checks, _explain, _loss_scale, _spikes
 from optax_lamb.faults._decision import decide, passes
 from optax_lamb.faults._spikes import SkipSpikesState, SpikeRule
@@ -57,7 +57,7 @@ class SkipCounts(NamedTuple):
   consecutive: jax.Array
 
 
-def all_finite(tree: Any, axis_name: Any = None, names_of: Any = None) -> jax.Array:
+def all_finite(tree: Any, axis_name: PerLeafAxisNames = None, names_of: Any = None) -> jax.Array:
   """True when no leaf of `tree` holds a NaN or an Inf; agreed over `axis_name` if given.
 
   `axis_name` may be per leaf (as in :func:`optax_lamb.lamb`), of `names_of` (default
@@ -81,7 +81,7 @@ def initial_state(inner_state: Any) -> SkipNonFiniteState:
 def skip_nonfinite(
   inner: optax.GradientTransformation,
   *,
-  axis_name: Any = None,
+  axis_name: PerLeafAxisNames = None,
   max_consecutive_errors: int | None = None,
   check_results: bool = False,
   spikes: SpikeRule | None = None,
@@ -158,7 +158,7 @@ GradsOk = Callable[[Any, Any], jax.Array]  # (grads, params) -> whether the step
 
 def skipping(
   inner: optax.GradientTransformation,
-  axis_name: Any,
+  axis_name: PerLeafAxisNames,
   max_errors: int | None,
   check_results: bool,
   grads_ok: GradsOk | None = None,
@@ -218,7 +218,7 @@ def _checking_results(
   state: Any,
   params: Any,
   extra_args: dict,
-  axis_name: Any,
+  axis_name: PerLeafAxisNames,
   max_errors: int | None,
   judged: tuple,
 ) -> tuple:

@@ -22,6 +22,8 @@ import optax
 
 from optax_lamb import _nnx
 from optax_lamb.core import _options, _ratios
+from optax_lamb.core._config import PerLeafAxisNames
+from optax_lamb.core._options import Scalar
 from optax_lamb.faults import _checks
 from optax_lamb.faults._decision import Verdict, passes
 
@@ -139,7 +141,7 @@ def initial_state(inner_state: Any) -> SkipSpikesState:
   return SkipSpikesState(count(), count(), inner_state, count(), count(), mean(), count(), mean())
 
 
-def _axes(axis_name: Any, grads: Any) -> tuple[list, tuple[str, ...] | None]:
+def _axes(axis_name: PerLeafAxisNames, grads: Any) -> tuple[list, tuple[str, ...] | None]:
   names = _checks.resolve_axis_names(axis_name, grads)
   axes: set[str] = set()
   for name in names:
@@ -176,8 +178,8 @@ def judge(
   state: Any,
   grads: Any,
   loss: Any,
-  axis_name: Any,
-  grad_scale: Any = None,
+  axis_name: PerLeafAxisNames,
+  grad_scale: Scalar | None = None,
   clip_norm: bool = False,
 ) -> Verdict:
   """Whether this step is a spike, for a `SkipSpikesState`: from the global norm of the

@@ -6,10 +6,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from optax_lamb.core import _leaf, _moment_storage, _ratios
-from optax_lamb.core._options import LambOptions, StepScalars
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames
+from optax_lamb.core._options import LambOptions, Scalar, StepScalars
 from optax_lamb.faults import _check_args, _checks
 
 
@@ -21,8 +24,8 @@ def scale_by_adam(
   *,
   bias_correction: bool = True,
   grad_averaging: bool = True,
-  mu_dtype=None,
-  nu_dtype=None,
+  mu_dtype: DTypeLike | None = None,
+  nu_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformation:
   """Rescale updates by Adam's moment estimates: the m, v and u lines of the LAMB update.
 
@@ -61,15 +64,9 @@ def scale_by_adam(
     >>> print(type(state).__name__, state.mu["w"].dtype)
     ScaleByAdamState float32
   """
-  _check_args.check_in_unit_interval("b1", b1)
-  _check_args.check_in_unit_interval("b2", b2)
-  _check_args.check_non_negative("eps", eps)
-  _check_args.check_non_negative("eps_root", eps_root)
-  _check_args.check_some_eps("eps", eps, "eps_root", eps_root)
-  _check_args.check_bool("bias_correction", bias_correction)
-  _check_args.check_bool("grad_averaging", grad_averaging)
-  mu_dtype = _check_args.check_moment_dtype("mu_dtype", mu_dtype)
-  nu_dtype = _check_args.check_moment_dtype("nu_dtype", nu_dtype)
+  mu_dtype, nu_dtype = _check_args.check_adam_args(
+    b1, b2, eps, eps_root, bias_correction, grad_averaging, mu_dtype, nu_dtype
+  )
   return adam_stage(
     b1,
     b2,
@@ -83,18 +80,18 @@ def scale_by_adam(
 
 
 def adam_stage(
-  b1: Any,
-  b2: Any,
-  eps: Any,
-  eps_root: Any,
+  b1: Scalar,
+  b2: Scalar,
+  eps: Scalar,
+  eps_root: Scalar,
   *,
   bias_correction: bool,
   grad_averaging: bool,
-  mu_dtype: Any,
-  nu_dtype: Any,
+  mu_dtype: np.dtype | None,
+  nu_dtype: np.dtype | None,
   caution: bool = False,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
 ) -> optax.GradientTransformation:
   """:func:`scale_by_adam` with checked arguments, and timm's caution (`optax_lamb.core._leaf.cautious`
   over each leaf's or stacked slice's kept fraction, counted over `axis_name`)."""

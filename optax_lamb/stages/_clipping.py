@@ -8,10 +8,14 @@ import jax
 import optax
 
 from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._config import PerLeafAxisNames
+from optax_lamb.core._options import Scalar
 from optax_lamb.faults import _check_args, _checks
 
 
-def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.GradientTransformation:
+def clip_by_global_norm(
+  max_norm: float, *, axis_name: PerLeafAxisNames = None
+) -> optax.GradientTransformation:
   """Scale the updates so their global norm is at most ``max_norm``: the clip line of the update.
 
   The update is written out once, in :func:`optax_lamb.lamb`. Like
@@ -47,7 +51,9 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Any = None) -> optax.Grad
   return clip_stage(max_norm, axis_name)
 
 
-def clip_stage(max_norm: Any, axis_name: Any, norm_eps: Any = 0.0) -> optax.GradientTransformation:
+def clip_stage(
+  max_norm: Scalar, axis_name: PerLeafAxisNames, norm_eps: Scalar = 0.0
+) -> optax.GradientTransformation:
   """:func:`clip_by_global_norm` with checked arguments, and the variants of `_leaf.clip_factor`.
 
   `max_norm` = 0 zeroes the gradients (apex, timm); `norm_eps` is added to the norm (DeepSpeed).

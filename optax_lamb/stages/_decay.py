@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb.core import _leaf, _options
+from optax_lamb.core._config import PerLeafMask
 from optax_lamb.faults import _check_args, _checks
 
 
 def add_decayed_weights(
   weight_decay: optax.ScalarOrSchedule = 0.0,
-  mask: Any = None,
+  mask: PerLeafMask = None,
 ) -> optax.GradientTransformation:
   """Add ``weight_decay * params`` to the updates (the lambda p term of :func:`optax_lamb.lamb`'s u).
 
@@ -42,8 +43,7 @@ def add_decayed_weights(
     >>> print([round(x, 4) for x in updates["w"].tolist()], updates["b"].tolist())
     [0.1, 0.1] [0.0, 0.0]
   """
-  _check_args.check_non_negative("weight_decay", weight_decay, schedule=True)
-  _check_args.check_per_leaf("mask", mask, "bool")
+  _check_args.check_decay_args(weight_decay, mask)
   is_schedule = callable(weight_decay)
   weight_decay = _check_args.scalar_valued(weight_decay, "weight_decay")
 

@@ -10,9 +10,11 @@ import optax
 
 from optax_lamb import _interop, _nnx
 from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.core._options import (
   LAYOUT_UNKNOWN,
   RatioLayout,
+  Scalar,
   ScaleByTrustRatioState,
   StepScalars,
 )
@@ -24,11 +26,11 @@ def scale_by_trust_ratio(
   trust_coefficient: float = 1.0,
   eps: float = 0.0,
   *,
-  mask: Any = None,
+  mask: PerLeafMask = None,
   min_ratio: float | None = None,
   max_ratio: float | None = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
 ) -> optax.GradientTransformation:
   """Scale each leaf's update by its trust ratio (LARS/LAMB layer adaptation): the r line.
 
@@ -74,10 +76,9 @@ def scale_by_trust_ratio(
   _check_args.check_non_negative("min_norm", min_norm)
   _check_args.check_positive("trust_coefficient", trust_coefficient)
   _check_args.check_non_negative("eps", eps)
-  _check_args.check_per_leaf("mask", mask, "bool")
-  _check_args.check_ratio_bounds("min_ratio", min_ratio, "max_ratio", max_ratio)
-  _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
-  _check_args.check_axis_name("axis_name", axis_name)
+  _check_args.check_trust_ratio_args(
+    ("mask", mask), ("min_ratio", min_ratio), ("max_ratio", max_ratio), stacked_axes, axis_name
+  )
   return trust_ratio_stage(
     min_norm=min_norm,
     trust_coefficient=trust_coefficient,
@@ -92,17 +93,17 @@ def scale_by_trust_ratio(
 
 def trust_ratio_stage(
   *,
-  min_norm: Any = 0.0,
-  trust_coefficient: Any = 1.0,
-  eps: Any = 0.0,
-  mask: Any = None,
-  min_ratio: Any = None,
-  max_ratio: Any = None,
-  stacked_axes: Any = None,
-  axis_name: Any = None,
+  min_norm: Scalar = 0.0,
+  trust_coefficient: Scalar = 1.0,
+  eps: Scalar = 0.0,
+  mask: PerLeafMask = None,
+  min_ratio: Scalar | None = None,
+  max_ratio: Scalar | None = None,
+  stacked_axes: PerLeafAxes = None,
+  axis_name: PerLeafAxisNames = None,
   mask_name: str = "mask",
-  max_param_norm: Any = None,
-  adapt_gate: Any = None,
+  max_param_norm: Scalar | None = None,
+  adapt_gate: Scalar | None = None,
 ) -> optax.GradientTransformation:
   """:func:`scale_by_trust_ratio` with checked arguments; errors call the mask `mask_name`.
 
@@ -149,7 +150,7 @@ def trust_ratio_stage(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def layout_of(params: Any, stacked_axes: Any) -> RatioLayout:
+def layout_of(params: Any, stacked_axes: PerLeafAxes) -> RatioLayout:
   """The trust ratios' layout for `params`: one entry per leaf, or per stacked slice."""
   treedef: Any = jax.tree.structure(params)
   axes = treedef.flatten_up_to(_checks.resolve_stacked_axes(stacked_axes, params))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import optax
+from jax.typing import DTypeLike
 
-from optax_lamb.core._options import LambConfig
+from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args
+from optax_lamb.faults._spikes import SpikeRule
 from optax_lamb.step._registry import Implementation
 from optax_lamb.step._transform import build
 
@@ -19,22 +19,22 @@ def lamb(
   eps: float = 1e-6,
   eps_root: float = 0.0,
   weight_decay: optax.ScalarOrSchedule = 0.0,
-  mask: Any = None,
+  mask: PerLeafMask = None,
   *,
   bias_correction: bool = True,
-  trust_ratio_mask: Any = None,
+  trust_ratio_mask: PerLeafMask = None,
   min_trust_ratio: float | None = None,
   max_trust_ratio: float | None = None,
   max_grad_norm: float | None = None,
-  stacked_axes: Any = None,
-  mu_dtype: Any = None,
-  nu_dtype: Any = None,
-  axis_name: Any = None,
+  stacked_axes: PerLeafAxes = None,
+  mu_dtype: DTypeLike | None = None,
+  nu_dtype: DTypeLike | None = None,
+  axis_name: PerLeafAxisNames = None,
   implementation: Implementation = "auto",
   skip_nonfinite: bool = False,
-  grad_scale: Any = None,
+  grad_scale: optax.ScalarOrSchedule | None = None,
   master_weights: bool = False,
-  skip_spikes: Any = None,
+  skip_spikes: SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The LAMB optimizer (You et al. 2019), a drop-in for :func:`optax.lamb`.
 
@@ -150,17 +150,7 @@ def lamb(
     You et al., `Large Batch Optimization for Deep Learning: Training BERT in 76
     minutes <https://arxiv.org/abs/1904.00962>`_, 2020
   """
-  # b1, b2, eps, eps_root, the switches, the dtypes, weight_decay and mask: `_transform.build`.
-  _check_args.check_non_negative("learning_rate", learning_rate, schedule=True)
-  _check_args.check_per_leaf("trust_ratio_mask", trust_ratio_mask, "bool")
-  _check_args.check_ratio_bounds(
-    "min_trust_ratio", min_trust_ratio, "max_trust_ratio", max_trust_ratio
-  )
-  if max_grad_norm is not None:
-    _check_args.check_positive("max_grad_norm", max_grad_norm)
-  _check_args.check_per_leaf("stacked_axes", stacked_axes, "int")
-  _check_args.check_axis_name("axis_name", axis_name)
-  config = LambConfig.of(
+  config = _check_args.lamb_config(
     learning_rate=learning_rate,
     b1=b1,
     b2=b2,

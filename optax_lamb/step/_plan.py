@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb.core import _leaf, _options, _ratios
+from optax_lamb.core._config import STEP_SCALAR_NAMES, LambConfig
 from optax_lamb.core._options import (
-  LambConfig,
+  AxisNames,
   LambOptions,
   RatioLayout,
   ScaleByTrustRatioState,
@@ -65,6 +66,16 @@ def decay_coefficient(config: LambConfig) -> Any:
   return at if scheduled else at(None)
 
 
+def given_scalars(config: LambConfig) -> StepScalars:
+  """The step's numbers that `config` gives as they are (renamed by `STEP_SCALAR_NAMES`), and
+  the gate of adaptation (apex, timm: the weight decay, a number or an array); the others at
+  their defaults. The XLA path, the kernels and the stage chain all take them from here."""
+  h = config.hyper
+  given = {scalar: getattr(h, name) for name, scalar in STEP_SCALAR_NAMES.items()}
+  gate = h.weight_decay if config.options.adapt_if_decaying else None
+  return StepScalars(**given, adapt_gate=gate)
+
+
 class LeafPlan(NamedTuple):
   """Static facts and options of one leaf (Python values, fixed at trace time)."""
 
@@ -73,7 +84,7 @@ class LeafPlan(NamedTuple):
   decay: bool  # the leaf decays (where: `LambOptions.weight_decay_placement`)
   adapt: bool  # apply the trust ratio (else ratio 1)
   stacked_axes: int  # leading axes that index stacked layers, one ratio per slice
-  axis_name: Any  # mapped axes the leaf is sharded over (psum its norms), or None
+  axis_name: AxisNames  # mapped axes the leaf is sharded over (psum its norms), or None
   ratio_offset: int  # first entry of this leaf in the ratio vector
   narrow_moments: bool  # stored m, v not those u is computed from (narrow, 8-bit, finite_guard)
 
@@ -173,20 +184,8 @@ def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: l
   if h.max_grad_norm is not None:
     norm = _ratios.global_norm(jax.tree.leaves(grads), names)
     clip_factor = _leaf.clip_factor(norm, h.max_grad_norm, h.clip_norm_eps)
-  scalars = StepScalars(
-    b1=h.b1,
-    b2=h.b2,
-    eps=h.eps,
-    eps_root=h.eps_root,
-    bc1=bc1,
-    bc2=bc2,
-    weight_decay=wd,
-    step_size=step_size,
-    clip_factor=clip_factor,
-    min_ratio=h.min_trust_ratio,
-    max_ratio=h.max_trust_ratio,
-    max_param_norm=h.max_param_norm,
-    adapt_gate=h.weight_decay if o.adapt_if_decaying else None,  # a number or an array
+  scalars = given_scalars(config)._replace(
+    bc1=bc1, bc2=bc2, weight_decay=wd, step_size=step_size, clip_factor=clip_factor
   )
   return scalars, count, decay_state, lr_state
 

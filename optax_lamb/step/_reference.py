@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb.core import _leaf
-from optax_lamb.core._options import LambConfig
+from optax_lamb.core._config import LambConfig
 from optax_lamb.stages._adam import adam_stage
 from optax_lamb.stages._clipping import clip_stage
 from optax_lamb.stages._decay import add_decayed_weights
 from optax_lamb.stages._trust_ratio import trust_ratio_stage
-from optax_lamb.step._plan import decay_coefficient
+from optax_lamb.step._plan import decay_coefficient, given_scalars
 
 
 def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:
@@ -53,15 +53,16 @@ def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:
     nu_dtype=o.nu_dtype,
   )
   decay = add_decayed_weights(decay_coefficient(config), per_leaf.mask)
+  s = given_scalars(config)  # the ratio's numbers by their step names, as every path takes them
   trust = trust_ratio_stage(
-    min_ratio=h.min_trust_ratio,
-    max_ratio=h.max_trust_ratio,
+    min_ratio=s.min_ratio,
+    max_ratio=s.max_ratio,
     mask=per_leaf.trust_ratio_mask,
     stacked_axes=per_leaf.stacked_axes,
     axis_name=per_leaf.axis_name,
     mask_name="trust_ratio_mask",
-    max_param_norm=h.max_param_norm,
-    adapt_gate=h.weight_decay if o.adapt_if_decaying else None,
+    max_param_norm=s.max_param_norm,
+    adapt_gate=s.adapt_gate,
   )
   return clip, adam, decay, trust, optax.scale_by_learning_rate(h.learning_rate)
 

@@ -21,7 +21,7 @@ import optax
 
 from optax_lamb import _interop
 from optax_lamb.core import _leaf, _options
-from optax_lamb.core._options import LambConfig
+from optax_lamb.core._config import LambConfig
 from optax_lamb.faults import _check_args, _checks, _skip, _spikes
 from optax_lamb.faults._loss_scale import (
   UnscaleGradientsState,
@@ -96,14 +96,14 @@ def build(
   grad_transform: Callable[[Any, Any], Any] | None = None,
   skip_spikes: _spikes.SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """The transformation of a checked `config`, on `implementation`, behind the wrappers asked for.
+  """The transformation of `config` (as `_check_args.lamb_config` builds it, checked), on
+  `implementation`, behind the wrappers asked for (their arguments checked here).
 
   `grad_transform(grads, params) -> grads`, if given, is applied to the unscaled
   float32 gradients before the step, on every implementation (``optax_lamb.compat``:
   Keras' per-variable ``clipnorm`` and ``clipvalue``).
   """
   _registry.check_implementation(implementation)
-  config = _check_args.check_config(config)
   _check_args.check_bool("skip_nonfinite", skip_nonfinite)
   _check_args.check_bool("master_weights", master_weights)
   _spikes.check_rule("skip_spikes", skip_spikes)
@@ -113,11 +113,6 @@ def build(
       f"skip_nonfinite=False, skip_spikes={skip_spikes!r}"
     )
   check_grad_scale(grad_scale)
-  hyper = config.hyper._replace(
-    learning_rate=_check_args.scalar_valued(config.hyper.learning_rate, "learning_rate"),
-    weight_decay=_check_args.scalar_valued(config.hyper.weight_decay, "weight_decay"),
-  )
-  config = config._replace(hyper=hyper)
   chain = _reference.chain(config)
   # On a backend, lamb's own skip and master weights are part of the planned step (no copy of
   # the state, the choice fused into its writes); on the chain of stages, the wrappers.
