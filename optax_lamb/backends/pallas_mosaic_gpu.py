@@ -99,25 +99,26 @@ def _strided(x: jax.Array, interpret: bool) -> jax.Array:
   return plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(x.shape, vec_size=vec_size))
 
 
-def _in_leaf(leaf: LeafPlan, block: int, interpret: bool) -> jax.Array:
-  """The chunk's elements that lie in its slice (its last rows may be padding or past the end)."""
+def _in_leaf(chunk: jax.Array, leaf: LeafPlan, block: int, interpret: bool) -> jax.Array:
+  """The elements of `chunk` (of its slice) that lie in the slice (its last rows may be padding
+  or past the end)."""
   iota = lambda axis: _strided(
     jax.lax.broadcasted_iota(jnp.int32, (block // TILE, TILE), axis), interpret
   )
-  return pl.program_id(1) * block + iota(0) * TILE + iota(1) < leaf.length
+  return chunk * block + iota(0) * TILE + iota(1) < leaf.length
 
 
 def _load(ref, interpret: bool) -> jax.Array:
   return _strided(ref[...], interpret)
 
 
-def _pass1_kernel(scalars_ref, *refs, leaf, block, options, scalar_layout, interpret) -> None:
+def _pass1_kernel(scalars_ref, *refs, ids, leaf, block, options, scalar_layout, interpret) -> None:
   """m', v' (where pass 1 writes them) and the chunk's six partial sums in lanes 0-5."""
   ins = dict(zip(passes.PASS1_INPUTS, refs, strict=False))
   outs = refs[len(passes.PASS1_INPUTS) :]
   s = tables.load_scalars(scalars_ref, scalar_layout)
   x = {name: _load(ref, interpret) for name, ref in ins.items()}
-  stores, sums = passes.pass1_chunk(options, s, leaf, x, _in_leaf(leaf, block, interpret))
+  stores, sums = passes.pass1_chunk(options, s, leaf, x, _in_leaf(ids[1], leaf, block, interpret))
   for ref, name in zip(outs[:-1], stores, strict=True):  # the moments where pass 1 writes them
     ref[...] = stores[name].astype(ref.dtype)
   lane = _strided(jax.lax.broadcasted_iota(jnp.int32, (LANES,), 0), interpret)
@@ -128,14 +129,14 @@ def _pass1_kernel(scalars_ref, *refs, leaf, block, options, scalar_layout, inter
 
 
 def _pass2_kernel(
-  scalars_ref, ratios_ref, *refs, leaf, options, scalar_layout, apply, interpret, block
+  scalars_ref, ratios_ref, *refs, ids, leaf, options, scalar_layout, apply, interpret, block
 ) -> None:
   """The chunk's update (or new params), and its new moments where computed from g."""
   del block  # the windows' size
   names = passes.input_names(leaf)
   ins, outs = dict(zip(names, refs, strict=False)), refs[len(names) :]
   s = tables.load_scalars(scalars_ref, scalar_layout)
-  slice_ = pl.program_id(0)  # its ratio: of this leaf's, `LANES` a row
+  slice_ = ids[0]  # its ratio: of this leaf's, `LANES` a row
   ratio = ratios_ref[jax.lax.div(slice_, LANES), jax.lax.rem(slice_, LANES)] if leaf.adapt else None
   x = {name: _load(ref, interpret) for name, ref in ins.items()}
   result = passes.leaf_step(options, s, leaf, x, ratio, apply=apply, kernel=True)
@@ -162,7 +163,7 @@ def _call(
   smem = pl.BlockSpec(memory_space=plgpu.SMEM)
   static.update(leaf=leaf, block=sizes.block, interpret=interpret)
   return pl.pallas_call(
-    functools.partial(kernel, **static),
+    functools.partial(_program, functools.partial(kernel, **static), interpret=interpret),
     grid=(leaf.slices, -(-leaf.length // sizes.block)),
     in_specs=[smem] * len(whole) + [_window(sizes.block)] * len(rows),
     out_specs=out_specs,
@@ -172,6 +173,24 @@ def _call(
     interpret=interpret,
     name=name,
   )(*whole, *rows)
+
+
+def _program(body, *refs, interpret: bool) -> None:
+  """`body` on the refs with this program's ids (slice, chunk).
+
+  Interpreted, the body runs under a ``pl.when`` that always holds. Pallas traces a kernel
+  without shard_map's varying manual axes, and its interpreter evaluates the kernel's jaxpr one
+  primitive at a time on the shards' values: inside ``jax.shard_map`` (check_vma) the first
+  primitive that mixes a shard's value with a replicated one (a block times a step scalar) is
+  refused (jax 0.10.2: "mul requires varying manual axes to match"). Under a ``cond`` the
+  interpreter binds one primitive, whose rule takes the body's jaxpr as traced. The program ids
+  are read outside it, as Pallas's interpreter needs. Compiled, the body runs as it is.
+  """
+  ids = (pl.program_id(0), pl.program_id(1))
+  if interpret:
+    pl.when(ids[1] >= 0)(lambda: body(*refs, ids=ids))
+  else:
+    body(*refs, ids=ids)
 
 
 _STATIC = ("leaf", "options", "scalar_layout", "sizes", "interpret")
