@@ -49,6 +49,12 @@ class MosaicBlockSizes:
     max_concurrent_steps: chunks whose copies are in flight at once (Mosaic GPU's pipelining).
     xla_pass2_min_size: in ``tx.update``, leaves of at least this many elements take pass 2 as
       an XLA elementwise computation that XLA fuses with the caller's ``optax.apply_updates``.
+
+  Example:
+    >>> from optax_lamb.backends.pallas_mosaic_gpu import MosaicBlockSizes
+    >>> sizes = MosaicBlockSizes(block=8192, max_concurrent_steps=3)
+    >>> print(sizes.block, sizes.max_concurrent_steps, sizes.max_leaves_per_call)
+    8192 3 1
   """
 
   block: int = 4096
@@ -270,6 +276,20 @@ class PallasMosaicGpuBackend(GpuBackend):
     block_sizes: the launch sizes (`MosaicBlockSizes`).
     interpret: run the kernels in Pallas interpret mode; None: exactly when
       the default backend is not a GPU.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> from optax_lamb.backends.pallas_mosaic_gpu import MosaicBlockSizes, PallasMosaicGpuBackend
+    >>> backend = PallasMosaicGpuBackend(block_sizes=MosaicBlockSizes(block=1024))
+    >>> tx = optax_lamb.lamb(1e-3, implementation=backend)
+    >>> params = {"w": jnp.ones((3, 3))}
+    >>> state = tx.init(params)
+    >>> with warnings.catch_warnings():  # without a GPU: interpret mode, with a warning
+    ...   warnings.simplefilter("ignore")
+    ...   updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> print([round(x, 4) for x in optax.apply_updates(params, updates)["w"][0].tolist()])
+    [0.999, 0.999, 0.999]
   """
 
   name = "pallas_mosaic_gpu"
