@@ -223,7 +223,8 @@ def moments_and_norms(scalars, x: dict, **static) -> tuple[dict, jax.Array]:
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "apply"))
 def updates(scalars, ratios, x: dict, **static) -> dict:
-  """Pass 2 over one leaf (`x`: flat `passes.input_names`): {out} or {out, m, v}."""
+  """Pass 2 over one leaf (`x`: flat `passes.input_names`; `ratios`: its slices' trust ratios):
+  {out} or {out, m, v}."""
   leaf, apply = static["leaf"], static["apply"]
   names, like = passes.input_names(leaf), passes.outputs_like(leaf)
   rows = [_tiles(x[name], leaf) for name in names]
@@ -231,10 +232,16 @@ def updates(scalars, ratios, x: dict, **static) -> dict:
   aliases = {2 + names.index(like[n]): i for i, n in enumerate(like) if n != "out" or apply}
   specs = [_window(static["sizes"].block)] * len(outputs)
   name = "lamb_mosaic_apply" if apply else "lamb_mosaic_updates"
-  own = _padded(ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices], rows=True)
-  whole = (_padded(scalars), own)
+  whole = (_padded(scalars), _padded(ratios, rows=True))
   results = _call(_pass2_kernel, whole, rows, outputs, specs, aliases, name=name, **static)
   return {name: _untiled(a, leaf) for name, a in zip(like, results, strict=True)}
+
+
+def _kernel_leaf(leaf: LeafPlan) -> LeafPlan:
+  """`leaf` as its kernels see it: without its place in the tree (index, ratio slots, axis
+  names), so that the leaves of one kind (BERT-large's 24 layers) share one traced and lowered
+  kernel."""
+  return leaf._replace(index=0, ratio_offset=0, axis_name=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +261,8 @@ class MosaicKernels:
 
   def moments_and_norms(self, scalars, leaves: list[dict], *, table, **static) -> tuple:
     ((c,), (x,)) = table, leaves
-    written, partials = moments_and_norms(scalars, x, leaf=c.leaf, **static, **self._launch())
+    leaf = _kernel_leaf(c.leaf)
+    written, partials = moments_and_norms(scalars, x, leaf=leaf, **static, **self._launch())
     return [written], partials
 
   def slice_sums(self, starts: list[int], counts: list[int], partials: jax.Array) -> tuple:
@@ -262,7 +270,8 @@ class MosaicKernels:
 
   def updates(self, scalars, ratios, leaves: list[dict], *, table, **static) -> list[dict]:
     ((c,), (x,)) = table, leaves
-    return [updates(scalars, ratios, x, leaf=c.leaf, **static, **self._launch())]
+    own = ratios[c.leaf.ratio_offset : c.leaf.ratio_offset + c.leaf.slices]
+    return [updates(scalars, own, x, leaf=_kernel_leaf(c.leaf), **static, **self._launch())]
 
   def _launch(self) -> dict:
     return {"sizes": self.sizes, "interpret": self.interpret}
