@@ -49,6 +49,12 @@ class MosaicBlockSizes:
     max_concurrent_steps: chunks whose copies are in flight at once (Mosaic GPU's pipelining).
     xla_pass2_min_size: in ``tx.update``, leaves of at least this many elements take pass 2 as
       an XLA elementwise computation that XLA fuses with the caller's ``optax.apply_updates``.
+
+  Example:
+    >>> from optax_lamb.backends.pallas_mosaic_gpu import MosaicBlockSizes
+    >>> sizes = MosaicBlockSizes(block=8192, max_concurrent_steps=3)
+    >>> print(sizes.block, sizes.max_concurrent_steps, sizes.max_leaves_per_call)
+    8192 3 1
   """
 
   block: int = 4096
@@ -99,25 +105,26 @@ def _strided(x: jax.Array, interpret: bool) -> jax.Array:
   return plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(x.shape, vec_size=vec_size))
 
 
-def _in_leaf(leaf: LeafPlan, block: int, interpret: bool) -> jax.Array:
-  """The chunk's elements that lie in its slice (its last rows may be padding or past the end)."""
+def _in_leaf(chunk: jax.Array, leaf: LeafPlan, block: int, interpret: bool) -> jax.Array:
+  """The elements of `chunk` (of its slice) that lie in the slice (its last rows may be padding
+  or past the end)."""
   iota = lambda axis: _strided(
     jax.lax.broadcasted_iota(jnp.int32, (block // TILE, TILE), axis), interpret
   )
-  return pl.program_id(1) * block + iota(0) * TILE + iota(1) < leaf.length
+  return chunk * block + iota(0) * TILE + iota(1) < leaf.length
 
 
 def _load(ref, interpret: bool) -> jax.Array:
   return _strided(ref[...], interpret)
 
 
-def _pass1_kernel(scalars_ref, *refs, leaf, block, options, scalar_layout, interpret) -> None:
+def _pass1_kernel(scalars_ref, *refs, ids, leaf, block, options, scalar_layout, interpret) -> None:
   """m', v' (where pass 1 writes them) and the chunk's six partial sums in lanes 0-5."""
   ins = dict(zip(passes.PASS1_INPUTS, refs, strict=False))
   outs = refs[len(passes.PASS1_INPUTS) :]
   s = tables.load_scalars(scalars_ref, scalar_layout)
   x = {name: _load(ref, interpret) for name, ref in ins.items()}
-  stores, sums = passes.pass1_chunk(options, s, leaf, x, _in_leaf(leaf, block, interpret))
+  stores, sums = passes.pass1_chunk(options, s, leaf, x, _in_leaf(ids[1], leaf, block, interpret))
   for ref, name in zip(outs[:-1], stores, strict=True):  # the moments where pass 1 writes them
     ref[...] = stores[name].astype(ref.dtype)
   lane = _strided(jax.lax.broadcasted_iota(jnp.int32, (LANES,), 0), interpret)
@@ -128,14 +135,14 @@ def _pass1_kernel(scalars_ref, *refs, leaf, block, options, scalar_layout, inter
 
 
 def _pass2_kernel(
-  scalars_ref, ratios_ref, *refs, leaf, options, scalar_layout, apply, interpret, block
+  scalars_ref, ratios_ref, *refs, ids, leaf, options, scalar_layout, apply, interpret, block
 ) -> None:
   """The chunk's update (or new params), and its new moments where computed from g."""
   del block  # the windows' size
   names = passes.input_names(leaf)
   ins, outs = dict(zip(names, refs, strict=False)), refs[len(names) :]
   s = tables.load_scalars(scalars_ref, scalar_layout)
-  slice_ = pl.program_id(0)  # its ratio: of this leaf's, `LANES` a row
+  slice_ = ids[0]  # its ratio: of this leaf's, `LANES` a row
   ratio = ratios_ref[jax.lax.div(slice_, LANES), jax.lax.rem(slice_, LANES)] if leaf.adapt else None
   x = {name: _load(ref, interpret) for name, ref in ins.items()}
   result = passes.leaf_step(options, s, leaf, x, ratio, apply=apply, kernel=True)
@@ -162,7 +169,7 @@ def _call(
   smem = pl.BlockSpec(memory_space=plgpu.SMEM)
   static.update(leaf=leaf, block=sizes.block, interpret=interpret)
   return pl.pallas_call(
-    functools.partial(kernel, **static),
+    functools.partial(_program, functools.partial(kernel, **static), interpret=interpret),
     grid=(leaf.slices, -(-leaf.length // sizes.block)),
     in_specs=[smem] * len(whole) + [_window(sizes.block)] * len(rows),
     out_specs=out_specs,
@@ -172,6 +179,24 @@ def _call(
     interpret=interpret,
     name=name,
   )(*whole, *rows)
+
+
+def _program(body, *refs, interpret: bool) -> None:
+  """`body` on the refs with this program's ids (slice, chunk).
+
+  Interpreted, the body runs under a ``pl.when`` that always holds. Pallas traces a kernel
+  without shard_map's varying manual axes, and its interpreter evaluates the kernel's jaxpr one
+  primitive at a time on the shards' values: inside ``jax.shard_map`` (check_vma) the first
+  primitive that mixes a shard's value with a replicated one (a block times a step scalar) is
+  refused (jax 0.10.2: "mul requires varying manual axes to match"). Under a ``cond`` the
+  interpreter binds one primitive, whose rule takes the body's jaxpr as traced. The program ids
+  are read outside it, as Pallas's interpreter needs. Compiled, the body runs as it is.
+  """
+  ids = (pl.program_id(0), pl.program_id(1))
+  if interpret:
+    pl.when(ids[1] >= 0)(lambda: body(*refs, ids=ids))
+  else:
+    body(*refs, ids=ids)
 
 
 _STATIC = ("leaf", "options", "scalar_layout", "sizes", "interpret")
@@ -198,7 +223,8 @@ def moments_and_norms(scalars, x: dict, **static) -> tuple[dict, jax.Array]:
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "apply"))
 def updates(scalars, ratios, x: dict, **static) -> dict:
-  """Pass 2 over one leaf (`x`: flat `passes.input_names`): {out} or {out, m, v}."""
+  """Pass 2 over one leaf (`x`: flat `passes.input_names`; `ratios`: its slices' trust ratios):
+  {out} or {out, m, v}."""
   leaf, apply = static["leaf"], static["apply"]
   names, like = passes.input_names(leaf), passes.outputs_like(leaf)
   rows = [_tiles(x[name], leaf) for name in names]
@@ -206,10 +232,16 @@ def updates(scalars, ratios, x: dict, **static) -> dict:
   aliases = {2 + names.index(like[n]): i for i, n in enumerate(like) if n != "out" or apply}
   specs = [_window(static["sizes"].block)] * len(outputs)
   name = "lamb_mosaic_apply" if apply else "lamb_mosaic_updates"
-  own = _padded(ratios[leaf.ratio_offset : leaf.ratio_offset + leaf.slices], rows=True)
-  whole = (_padded(scalars), own)
+  whole = (_padded(scalars), _padded(ratios, rows=True))
   results = _call(_pass2_kernel, whole, rows, outputs, specs, aliases, name=name, **static)
   return {name: _untiled(a, leaf) for name, a in zip(like, results, strict=True)}
+
+
+def _kernel_leaf(leaf: LeafPlan) -> LeafPlan:
+  """`leaf` as its kernels see it: without its place in the tree (index, ratio slots, axis
+  names), so that the leaves of one kind (BERT-large's 24 layers) share one traced and lowered
+  kernel."""
+  return leaf._replace(index=0, ratio_offset=0, axis_name=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +261,8 @@ class MosaicKernels:
 
   def moments_and_norms(self, scalars, leaves: list[dict], *, table, **static) -> tuple:
     ((c,), (x,)) = table, leaves
-    written, partials = moments_and_norms(scalars, x, leaf=c.leaf, **static, **self._launch())
+    leaf = _kernel_leaf(c.leaf)
+    written, partials = moments_and_norms(scalars, x, leaf=leaf, **static, **self._launch())
     return [written], partials
 
   def slice_sums(self, starts: list[int], counts: list[int], partials: jax.Array) -> tuple:
@@ -237,7 +270,8 @@ class MosaicKernels:
 
   def updates(self, scalars, ratios, leaves: list[dict], *, table, **static) -> list[dict]:
     ((c,), (x,)) = table, leaves
-    return [updates(scalars, ratios, x, leaf=c.leaf, **static, **self._launch())]
+    own = ratios[c.leaf.ratio_offset : c.leaf.ratio_offset + c.leaf.slices]
+    return [updates(scalars, own, x, leaf=_kernel_leaf(c.leaf), **static, **self._launch())]
 
   def _launch(self) -> dict:
     return {"sizes": self.sizes, "interpret": self.interpret}
@@ -251,6 +285,20 @@ class PallasMosaicGpuBackend(GpuBackend):
     block_sizes: the launch sizes (`MosaicBlockSizes`).
     interpret: run the kernels in Pallas interpret mode; None: exactly when
       the default backend is not a GPU.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, optax, optax_lamb
+    >>> from optax_lamb.backends.pallas_mosaic_gpu import MosaicBlockSizes, PallasMosaicGpuBackend
+    >>> backend = PallasMosaicGpuBackend(block_sizes=MosaicBlockSizes(block=1024))
+    >>> tx = optax_lamb.lamb(1e-3, implementation=backend)
+    >>> params = {"w": jnp.ones((3, 3))}
+    >>> state = tx.init(params)
+    >>> with warnings.catch_warnings():  # without a GPU: interpret mode, with a warning
+    ...   warnings.simplefilter("ignore")
+    ...   updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> print([round(x, 4) for x in optax.apply_updates(params, updates)["w"][0].tolist()])
+    [0.999, 0.999, 0.999]
   """
 
   name = "pallas_mosaic_gpu"

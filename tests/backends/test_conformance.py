@@ -33,14 +33,6 @@ class TestPallasCompiled(Conformance):
 class TestPallasMosaicGpuInterpret(Conformance):
   IMPLEMENTATION = "pallas-mosaic-gpu"
 
-  # Pallas interpret mode evaluates the kernel's jaxpr, traced without manual axes, on the
-  # shards' varying values, and shard_map's check (check_vma) rejects the mix (jax 0.10.2: "mul
-  # requires varying manual axes to match"); the compiled kernels' class runs it on a GPU.
-  @pytest.mark.xfail(raises=ValueError, strict=True, reason="interpret mode inside shard_map")
-  @pytest.mark.parametrize("replicated", [(), ("b",)], ids=["one-name", "per-leaf"])
-  def test_sharded_leaves_match_unsharded(self, replicated, rng):
-    Conformance.test_sharded_leaves_match_unsharded(self, replicated, rng)
-
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
 class TestPallasMosaicGpuCompiled(Conformance):

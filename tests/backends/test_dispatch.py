@@ -164,13 +164,18 @@ def test_without_pallas_triton_auto_and_pallas_take_xla():
 
 
 @pytest.mark.parametrize(
-  "capability, path",
-  [("9.0", "the pallas_mosaic_gpu path"), ("8.0", "the xla path")],
-  ids=["hopper", "ampere"],
+  "capability, moments, path",
+  [
+    ("9.0", "float32", "the pallas_mosaic_gpu path"),
+    ("8.0", "float32", "the xla path"),
+    ("9.0", "8-bit", "the xla path"),
+  ],
+  ids=["hopper", "ampere", "hopper-8bit"],
 )
-def test_without_pallas_triton_auto_takes_mosaic_gpu_on_hopper(capability, path):
+def test_without_pallas_triton_auto_takes_mosaic_gpu_on_hopper(capability, moments, path):
   """A jax whose Pallas Triton cannot be imported (checked in a process where the import fails):
-  auto takes the Mosaic GPU kernels on a GPU of compute capability 9.0 or newer, else XLA."""
+  auto takes the Mosaic GPU kernels on a GPU of compute capability 9.0 or newer, else XLA; 8-bit
+  moments, which the Mosaic GPU kernels decline, go on to XLA with that reason in the log."""
   script = textwrap.dedent(
     """
     import logging, sys, types
@@ -181,14 +186,16 @@ def test_without_pallas_triton_auto_takes_mosaic_gpu_on_hopper(capability, path)
     gpu = types.SimpleNamespace(compute_capability=sys.argv[1], device_kind="a GPU")
     jax.local_devices = lambda *args, **kwargs: [gpu]
     logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
-    params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
-    tx = optax_lamb.lamb(1e-2)
+    eight_bit = sys.argv[2] == "8-bit"  # a leaf large enough to be stored quantized
+    params = {"w": jax.ShapeDtypeStruct((16, 256) if eight_bit else (4, 3), jnp.float32)}
+    kwargs = dict(mu_dtype=jnp.int8, nu_dtype=jnp.uint8) if eight_bit else {}
+    tx = optax_lamb.lamb(1e-2, **kwargs)
     jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params), params)
     """
   )
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   run = subprocess.run(
-    [sys.executable, "-c", script, capability],
+    [sys.executable, "-c", script, capability, moments],
     capture_output=True,
     text=True,
     env=env,
@@ -198,6 +205,8 @@ def test_without_pallas_triton_auto_takes_mosaic_gpu_on_hopper(capability, path)
   logs = [line for line in run.stdout.splitlines() if line.startswith("LOG optax_lamb.lamb")]
   assert len(logs) == 1, logs
   assert logs[0].startswith(f"LOG optax_lamb.lamb: {path} (pallas_triton: Pallas Triton is not")
+  if moments == "8-bit":
+    assert "pallas_mosaic_gpu: 8-bit quantized moments" in logs[0], logs[0]
   assert ("compute capability 8.0" in logs[0]) == (capability == "8.0"), logs[0]
 
 

@@ -72,7 +72,7 @@ def test_every_public_symbol_has_an_api_entry():
 def public_symbols():
   """(qualified name, object): every name in the public modules' ``__all__``, and the backend
   classes that ``implementation=`` takes (docs/api.md's Backends section)."""
-  from optax_lamb.backends import pallas_triton, xla
+  from optax_lamb.backends import pallas_mosaic_gpu, pallas_triton, xla
 
   symbols = [
     (f"{module.__name__}.{name}", getattr(module, name))
@@ -80,7 +80,13 @@ def public_symbols():
     for name in module.__all__
     if not inspect.ismodule(getattr(module, name))
   ]
-  backends = [xla.XlaBackend, pallas_triton.PallasTritonBackend, pallas_triton.BlockSizes]
+  backends = [
+    xla.XlaBackend,
+    pallas_triton.PallasTritonBackend,
+    pallas_triton.BlockSizes,
+    pallas_mosaic_gpu.PallasMosaicGpuBackend,
+    pallas_mosaic_gpu.MosaicBlockSizes,
+  ]
   return symbols + [(f"{b.__module__}.{b.__qualname__}", b) for b in backends]
 
 
