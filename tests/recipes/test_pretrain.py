@@ -23,6 +23,7 @@ pytest.importorskip("flax")
 pytest.importorskip("tensorboardX")
 
 from helpers import fast_compile
+from helpers.jaxprs import dot_flops
 
 from optax_lamb_recipes import data, model
 from optax_lamb_recipes.pretrain import __main__ as cli
@@ -216,22 +217,6 @@ def test_two_processes_match_one_device(tmp_path, corpus, reference):
 
 
 # --- pieces ------------------------------------------------------------------------------
-
-
-def dot_flops(jaxpr) -> int:
-  """2 x multiply-adds of every dot_general in ``jaxpr`` (sub-jaxprs included, scans x length)."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      (contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
-    times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-    for value in eqn.params.values():
-      inner = getattr(value, "jaxpr", value)
-      if hasattr(inner, "eqns"):
-        total += times * dot_flops(inner)
-  return int(total)
 
 
 def abstract_model(cfg, dtype=None):
