@@ -56,7 +56,7 @@ class Checkpoints:
 
 CADENCES = ("log_every", "checkpoint_every", "eval_every")  # may change between restarts
 PER_LAYER = (
-  "the checkpoint holds its layers one by one (written before they were stacked for nnx.scan) "
+  "the checkpoint holds its layers one by one (written before they were stacked) "
   "and cannot resume; pretrain.model.stack_layers converts its params"
 )
 

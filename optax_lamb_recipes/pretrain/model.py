@@ -1,8 +1,8 @@
 """BERT-base, BERT-large and a tiny BERT with their layers stacked and scanned, and their FLOP count.
 
 ``ScannedBert`` is ``optax_lamb_recipes.model.Bert`` (the laptop recipe's) with each layer
-parameter stacked along a leading layer axis and the layers run by ``nnx.scan``: the program
-holds one layer whatever the depth (BERT-large compiles as fast as BERT-base), and with
+parameter stacked along a leading layer axis and the layers run by a scan: the program
+holds one layer whatever the depth (compile time does not grow with it), and with
 ``remat`` each layer's activations are recomputed in the backward pass instead of stored (only
 the ``[batch, seq, hidden]`` input of each layer is kept). LAMB needs one trust ratio per layer,
 not per stacked leaf: ``stacked_axes`` says which leaves carry the layer axis.
@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 from flax import nnx
 
 from optax_lamb_recipes import model as model_lib
@@ -36,11 +36,12 @@ def bert_config(name: str, vocab_size: int) -> model_lib.BertConfig:
 
 
 class ScannedBert(model_lib.Bert):
-  """``model_lib.Bert`` with stacked layers run by ``nnx.scan``; ``remat``: each layer under
-  ``nnx.remat`` (its activations recomputed in the backward pass, not stored)."""
+  """``model_lib.Bert`` with stacked layers run by a scan; ``remat``: each layer under
+  ``jax.checkpoint`` (its activations recomputed in the backward pass, not stored)."""
 
   def __init__(self, cfg: model_lib.BertConfig, *, rngs: nnx.Rngs, dtype=None, remat=False):
-    super().__init__(dataclasses.replace(cfg, layers=0), rngs=rngs, dtype=dtype)  # the rest
+    # The embeddings and the head as Bert's; no layers there, they are stacked here.
+    super().__init__(dataclasses.replace(cfg, layers=0), rngs=rngs, dtype=dtype)
     self.cfg, self.remat = cfg, remat
 
     @nnx.split_rngs(splits=cfg.layers)
@@ -51,12 +52,17 @@ class ScannedBert(model_lib.Bert):
     self.layers = stacked(rngs)
 
   def encode(self, x):
-    def layer(x, one: model_lib.Layer):
-      return one(x)
+    # jax.lax.scan over the layers' split state (the functional form of nnx.scan, as Flax's
+    # scan-over-layers example): nnx.scan refuses a model merged outside an enclosing
+    # jax.lax.scan (the held-out evaluation's loop over micro-batches) as another trace level.
+    graphdef, state = nnx.split(self.layers)
+
+    def layer(x, one):
+      return nnx.merge(graphdef, one)(x), None
 
     if self.remat:  # under scan, CSE across iterations is not a risk (jax.checkpoint's docs)
-      layer = nnx.remat(layer, prevent_cse=False)
-    return nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+      layer = jax.checkpoint(layer, prevent_cse=False)
+    return jax.lax.scan(layer, x, state)[0]
 
 
 def init_params(cfg: model_lib.BertConfig, seed: int = 0, dtype=None, remat: bool = False):
@@ -90,7 +96,7 @@ def stack_layers(params: dict) -> dict:
   ``0``, ``1``, ... or their strings) as ``ScannedBert``'s: the inverse of ``unstack_layers``."""
   layers = params[LAYERS]
   ordered = [layers[k] for k in sorted(layers, key=int)]
-  return {**params, LAYERS: jax.tree.map(lambda *a: np.stack(a), *ordered)}
+  return {**params, LAYERS: jax.tree.map(lambda *a: jnp.stack(a), *ordered)}
 
 
 def forward_flops(cfg: model_lib.BertConfig, seq_len: int, n_pred: int) -> int:
