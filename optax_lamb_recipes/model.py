@@ -68,12 +68,16 @@ class Bert(nnx.Module):
     """Logits ``[batch, n_pred, vocab]`` at the masked ``positions`` only (as BERT's head)."""
     seq_len = inputs.shape[-1]
     x = self.token_embed(inputs) + self.position_embed(jnp.arange(seq_len))
-    x = self.embed_norm(x)
-    for layer in self.layers:
-      x = layer(x)
+    x = self.encode(self.embed_norm(x))
     x = jnp.take_along_axis(x, positions[..., None], axis=-2)
     x = self.head_norm(jax.nn.gelu(self.head(x)))
     return self.token_embed.attend(x) + self.output_bias[...]
+
+  def encode(self, x):
+    """The encoder layers in order (a Python loop; ``pretrain.model.ScannedBert`` scans)."""
+    for layer in self.layers:
+      x = layer(x)
+    return x
 
 
 def mlm_losses(model: Bert, batch) -> jax.Array:

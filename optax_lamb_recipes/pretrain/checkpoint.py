@@ -55,11 +55,23 @@ class Checkpoints:
 
 
 CADENCES = ("log_every", "checkpoint_every", "eval_every")  # may change between restarts
+PER_LAYER = (
+  "the checkpoint holds its layers one by one (written before they were stacked) "
+  "and cannot resume; pretrain.model.stack_layers converts its params"
+)
+
+
+def per_layer(meta: dict) -> bool:
+  """Whether ``meta``'s checkpoint has unstacked layers: its configuration predates ``remat``,
+  which came with the stacked layers (the refusal names that, not orbax's tree mismatch)."""
+  return "remat" not in meta["config"]
 
 
 def check_resumable(meta: dict, config: dict, fingerprint: str | None = None) -> None:
   """Refuse a checkpoint written by another configuration or corpus (the curve would differ);
   ``fingerprint`` None: the configuration only (checked before the corpus is read)."""
+  if per_layer(meta):
+    raise SystemExit(f"{PER_LAYER}; use another --out to start anew")
   differ = sorted(k for k in config if k not in CADENCES and meta["config"].get(k) != config[k])
   if differ:
     raise SystemExit(f"the checkpoint's run differs in {differ}; use another --out to start anew")

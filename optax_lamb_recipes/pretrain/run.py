@@ -105,7 +105,7 @@ def build(cfg: RunConfig, opts: Options) -> _Run:
     _check_phase1_run(cfg, opts.init_from, data.fingerprint)
   rule = step.sharding_rule(mesh, cfg.fsdp)
   model_cfg = model_lib.bert_config(cfg.model, data.model_vocab)
-  model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule)
+  model = step.make_model(model_cfg, jnp.dtype(cfg.dtype), cfg.seed, rule, cfg.remat)
   args = dict(cfg.opt_args)
   schedules = [p.phase().schedule() for p in cfg.phases]
   txs = [optim.build(cfg.opt, sched, args) for sched in schedules]
@@ -168,6 +168,8 @@ def _check_phase1_run(cfg: RunConfig, other: str, fingerprint: str) -> None:
     raise Refused(f"--init-from {other}: no checkpoint in {other}/checkpoints")
   if len(cfg.phases) < 2:
     raise Refused(f"--init-from {other}: this run has no phase 2 to start")
+  if checkpoint.per_layer(meta):
+    raise Refused(f"--init-from {other}: {checkpoint.PER_LAYER}")
   theirs, ours = meta["config"], cfg.to_json()
   keys = ("model", "dtype", "opt", "opt_args", "seed")
   differ = [k for k in keys if theirs.get(k) != ours[k]]

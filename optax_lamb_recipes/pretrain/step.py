@@ -26,6 +26,7 @@ import optax_lamb
 from optax_lamb_recipes import model as model_lib
 from optax_lamb_recipes import train
 from optax_lamb_recipes.data import MLMBatch
+from optax_lamb_recipes.pretrain import model as pretrain_model
 
 AXIS = "data"
 
@@ -76,12 +77,15 @@ class Model:
     return jax.tree.map(lambda a: a.sharding, self.abstract)
 
 
-def make_model(cfg: model_lib.BertConfig, dtype: Any, seed: int, rule: Callable) -> Model:
-  """The model's parameters, initialised by one jitted program straight into their shardings."""
+def make_model(
+  cfg: model_lib.BertConfig, dtype: Any, seed: int, rule: Callable, remat: bool = False
+) -> Model:
+  """The model (``pretrain.model.ScannedBert``: stacked layers, ``remat`` per layer), its
+  parameters initialised by one jitted program straight into their shardings."""
   box = {}
 
   def make() -> Any:
-    box["graphdef"], params = model_lib.init_params(cfg, seed, dtype)
+    box["graphdef"], params = pretrain_model.init_params(cfg, seed, dtype, remat)
     return params
 
   shapes = jax.eval_shape(make)

@@ -18,6 +18,7 @@ from helpers import fast_compile
 
 from optax_lamb_recipes import data, model
 from optax_lamb_recipes.pretrain import checkpoint, prepare, shards, step
+from optax_lamb_recipes.pretrain import model as pmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = os.path.join(ROOT, "optax_lamb_recipes", data.TOKENIZER_FILE)
@@ -219,15 +220,17 @@ def test_resume_restores_the_sampler_bit_identically(tmp_path, prepared):
 
 
 def test_evaluation_is_the_models_loss_and_accuracy():
-  """``step._evaluate`` against ``model.mlm_losses`` and the logits' argmax, computed apart."""
-  cfg = model.BertConfig(vocab_size=128, hidden=32, layers=1, heads=2, mlp=64, max_len=16)
-  graphdef, params = model.init_params(cfg, 0)
+  """``step._evaluate`` of the scanned model (its layers scanned inside the loop over
+  micro-batches) against ``model.mlm_losses`` and the logits' argmax of the Python-loop model
+  with the same weights, computed apart."""
+  cfg = model.BertConfig(vocab_size=128, hidden=32, layers=2, heads=2, mlp=64, max_len=16)
+  graphdef, params = pmodel.init_params(cfg, 0)
   rng = np.random.default_rng(0)
   seqs = rng.integers(5, 128, (12, 16)).astype(np.int32)
   b = data.mask_tokens(seqs, rng, mask_id=4, vocab_size=128)
   stacked = data.MLMBatch(*(x.reshape(3, 4, *x.shape[1:]) for x in b))
   got = fast_compile.jit(lambda p, x: step._evaluate(graphdef, p, x))(params, stacked)
-  net = model.Bert(cfg, rngs=nnx.Rngs(0))  # the same parameters as init_params(cfg, 0)
+  net = nnx.merge(model.init_params(cfg, 0)[0], pmodel.unstack_layers(params))
   losses = np.asarray(model.mlm_losses(net, b), np.float64)
   logits = np.asarray(net(b.inputs, b.positions))
   np.testing.assert_allclose(got["eval/loss"], losses.mean(), rtol=1e-5)
