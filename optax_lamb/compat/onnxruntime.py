@@ -156,6 +156,7 @@ def onnxruntime_lamb(
   options = _common.lamb_options(locals())
   options["grad_scale"] = grad_scale if loss_scale is None else loss_scale
   make = lambda bias_correction: build(
+    gate="do_update",
     **_common.build_args(
       learning_rate=lr,
       learning_rate_name="lr",
@@ -170,7 +171,7 @@ def onnxruntime_lamb(
       finite_guard=True,
       grad_transform=_global_clip(clip, axis_name),
       lamb_options=options,
-    )
+    ),
   )
   if isinstance(bias_correction, bool):
     return _with_do_update(make(bias_correction))
@@ -267,7 +268,9 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
 
 def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
   """`tx` whose update takes ORT's ``do_update`` input: where it is false, zero updates and the
-  state as it was (selected where each buffer is written, as a skipped step keeps it)."""
+  state as it was. A Python bool is decided here; an array is handed to the planned step as its
+  gate (`build`'s ``gate="do_update"``), which keeps each buffer where it is written, as a skipped
+  step keeps it (the skip's take, written once), without counting a skip."""
 
   def update_fn(
     updates: Any, state: Any, params: Any = None, *, do_update: Any = None, **extra_args: Any
@@ -277,11 +280,8 @@ def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
     if isinstance(do_update, (bool, np.bool_)):  # False: nothing runs
       return jax.tree.map(jnp.zeros_like, updates if params is None else params), state
     _check_do_update(do_update)
-    take = jnp.asarray(do_update) != 0
-    new_updates, new_state = tx.update(updates, state, params, **extra_args)
-    keep = lambda new, old: jnp.where(take, new, old)
-    new_updates = jax.tree.map(lambda u: keep(u, jnp.zeros_like(u)), new_updates)
-    return new_updates, jax.tree.map(keep, new_state, state)
+    gate = jnp.asarray(do_update) != 0
+    return tx.update(updates, state, params, do_update=gate, **extra_args)
 
   if isinstance(tx, FusableTransformation):  # update_and_apply passes no do_update
     return FusableTransformation(tx.init, update_fn, tx.fused_apply)

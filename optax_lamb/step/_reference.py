@@ -107,8 +107,8 @@ class ReferenceBackend:
     for leaf, x, (m_c, v_c, u), ratio in zip(
       plan.leaves, leaves, adam, plan.layout.pieces(ratios), strict=True
     ):
-      ratio = ratio if leaf.adapt else None
-      out.append(_leaf.update(u, x.p, ratio, o, s, apply=apply, decay=leaf.decay))
+      r = ratio if leaf.adapt else None
+      out.append(_leaf.update(u, x.p, r, o, s, apply=apply, decay=leaf.decay))
       m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
       mu.append(m)
       nu.append(v)

@@ -48,9 +48,11 @@ def _planned_step(
   around it in the state they give (`SkipNonFiniteState` outside `MasterWeightsState`): the skip
   (and spike rule) decided in the plan, before the step, which then keeps every buffer where it
   is skipped; the step run on the master weights, written in place, and the params' update taken
-  towards them. Each is written here once, for every implementation and compat variant."""
+  towards them. Each is written here once, for every implementation and compat variant.
+  `gate`, a 0-d bool array or None, closes the step as a skip does, uncounted (ONNX Runtime's
+  ``do_update`` input): every buffer, the skip's counters too, kept where it is false."""
 
-  def step(grads: Any, state: Any, params: Any, *, apply: bool, value: Any = None) -> tuple:
+  def step(grads: Any, state: Any, params: Any, *, apply: bool, value=None, gate=None) -> tuple:
     inner = state.inner_state if skipping else state
     lamb_state, on = (inner.inner_state, inner.master) if master else (inner, params)
     if master:
@@ -61,6 +63,9 @@ def _planned_step(
       verdict = _spikes.judge(spikes, state, grads, value, config.per_leaf.axis_name, None, clip)
     rule = _plan.SkipRule(state.consecutive, None, verdict) if skipping else None
     plan = _plan.plan_step(config, grads, lamb_state, on, rule)
+    if gate is not None:
+      take = gate if plan.scalars.take is None else jnp.logical_and(gate, plan.scalars.take)
+      plan = plan._replace(scalars=plan.scalars._replace(take=take))
     result = _registry.step(
       implementation, plan, _leaf_arrays(plan, grads, on), apply=apply and not master
     )
@@ -77,7 +82,13 @@ def _planned_step(
       return out, new_inner
     judged = (spikes, verdict)
     take = jnp.asarray(plan.scalars.take)  # set: the plan had a SkipRule
-    return out, _skip.counted_state(state, *plan.skipping, new_inner, judged, take)
+    counted = _skip.counted_state(state, *plan.skipping, new_inner, judged, take)
+    if gate is None:
+      return out, counted
+    counters = [f for f in counted._fields if f != "inner_state"]  # as they were, where closed
+    return out, counted._replace(
+      **{f: jnp.where(gate, getattr(counted, f), getattr(state, f)) for f in counters}
+    )
 
   return step
 
@@ -91,12 +102,14 @@ def build(
   master_weights: bool = False,
   grad_transform: Callable[[Any, Any], Any] | None = None,
   skip_spikes: _spikes.SpikeRule | None = None,
+  gate: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation of a checked `config`, on `implementation`, behind the wrappers asked for.
 
   `grad_transform(grads, params) -> grads`, if given, is applied to the unscaled
   float32 gradients before the step, on every implementation (``optax_lamb.compat``:
-  Keras' per-variable ``clipnorm`` and ``clipvalue``).
+  Keras' per-variable ``clipnorm`` and ``clipvalue``). `gate`, if given, names the keyword of
+  ``update`` whose 0-d bool array closes the step where false (`_planned_step`'s `gate`).
   """
   _registry.check_implementation(implementation)
   config = _check_args.check_config(config)
@@ -116,13 +129,14 @@ def build(
   config = config._replace(hyper=hyper)
   lamb_step = _planned_step(config, implementation, skip_nonfinite, master_weights, skip_spikes)
 
-  def step(grads: Any, state: Any, params: Any, *, apply: bool, value: Any = None) -> tuple:
+  def step(grads: Any, state: Any, params: Any, *, apply: bool, value=None, closed=None) -> tuple:
     if grad_transform is not None:
       grads = grad_transform(grads, params)
-    return lamb_step(grads, state, params, apply=apply, value=value)
+    return lamb_step(grads, state, params, apply=apply, value=value, gate=closed)
 
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple:
-    return step(updates, state, params, apply=False, value=extra_args.get("value"))
+    closed = None if gate is None else extra_args.get(gate)
+    return step(updates, state, params, apply=False, value=extra_args.get("value"), closed=closed)
 
   init = _init(_reference.init(config), master_weights, (skip_nonfinite, skip_spikes))
   tx = optax.GradientTransformationExtraArgs(init, update_fn)
@@ -132,7 +146,7 @@ def build(
     (lambda g, s, p: step(g, s, p, apply=True)) if implementation != "reference" else None
   )
   scale = _check_args.scalar_valued(grad_scale, "grad_scale")
-  return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply)
+  return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply, gate=gate)
 
 
 def _init(chain_init: Callable, master: bool, skipping: tuple) -> Callable:
@@ -158,6 +172,7 @@ def with_prologue(
   who: str,
   grad_scale: optax.ScalarOrSchedule | None = None,
   fused_apply: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None,
+  gate: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """`inner` behind the prologue; its state gains the loss-scale count for a scale schedule.
 
@@ -170,6 +185,8 @@ def with_prologue(
       unless built with ``from_update=True``).
     fused_apply: ``fn(grads, state, params) -> (new_params, new_state)`` computing
       ``inner.update`` + ``optax.apply_updates``; carried when no loss scale is set.
+    gate: the keyword of ``update`` (its value a 0-d bool array) that closes the step where
+      false: the loss-scale schedule's count is then kept too.
   """
   scheduled = callable(grad_scale)
 
@@ -199,7 +216,12 @@ def with_prologue(
     grads, state, params = prologue(updates, state, params)
     scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
     given = extra_args.pop("grad_scale", None)  # not handed on: divided out here, once
+    old_scale_state = scale_state
     grads, scale_state = divided(grads, grad_scale, given, scale_state)
+    closed = extra_args.get(gate) if gate is not None else None
+    if closed is not None:  # a closed step keeps the schedule's count too (`build`'s gate)
+      keep = lambda new, old: jnp.where(closed, new, old)
+      scale_state = jax.tree.map(keep, scale_state, old_scale_state)
     updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
     return updates, ((scale_state, inner_state) if scheduled else inner_state)
 
