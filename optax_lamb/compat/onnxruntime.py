@@ -168,7 +168,7 @@ def onnxruntime_lamb(
       bias_correction=bias_correction,
       min_trust_ratio=min_ratio,
       max_trust_ratio=max_ratio,
-      finite_guard=True,
+      finite_guard=True,  # per-element rules, in `_leaf` on every backend (skip: whole steps)
       grad_transform=_global_clip(clip, axis_name),
       lamb_options=options,
     ),
@@ -241,7 +241,9 @@ def _ratio_bounds(ratio_min: Any, ratio_max: Any) -> tuple[Any, Any]:
 def _global_clip(clip: Any, axis_name: Any) -> Any:
   """`build`'s grad_transform for ORT's clip, or None without one: g c / G where G > c, G the
   global norm of the unscaled gradients (a NaN G clips nothing, an infinite one zeroes every
-  finite gradient, as ``_ComputeGradScale`` does with the scaled norm)."""
+  finite gradient, as ``_ComputeGradScale`` does with the scaled norm). Not the planned step's
+  clip (``max_grad_norm``), which it legitimately differs from there: lamb's clip factor of a
+  NaN norm is NaN."""
   if clip is None:
     return None
 
