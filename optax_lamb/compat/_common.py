@@ -83,7 +83,8 @@ def keras_clipping(
   clipvalue: g <- clip(g, -c, c); then clipnorm: g <- g min(1, c / ||g||) per variable
   (``c / max(||g||, c)``, Keras' and TensorFlow's clip_by_norm): per leaf, or per stacked
   slice with ``stacked_axes`` (a slice is one layer's variable), the squared norm of a
-  sharded leaf summed over its mapped axes.
+  sharded leaf summed over its mapped axes. Before the planned step, not in it: its clip is
+  global (``global_clipnorm``), these are per variable.
   """
   if clipnorm is None and clipvalue is None:
     return None

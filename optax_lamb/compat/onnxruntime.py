@@ -157,6 +157,7 @@ def onnxruntime_lamb(
   options = _common.lamb_options(locals())
   options["grad_scale"] = grad_scale if loss_scale is None else loss_scale
   make = lambda bias_correction: build(
+    gate="do_update",
     **_common.build_args(
       learning_rate=lr,
       learning_rate_name="lr",
@@ -168,10 +169,10 @@ def onnxruntime_lamb(
       bias_correction=bias_correction,
       min_trust_ratio=min_ratio,
       max_trust_ratio=max_ratio,
-      finite_guard=True,
+      finite_guard=True,  # per-element rules, in `_leaf` on every backend (skip: whole steps)
       grad_transform=_global_clip(clip, axis_name),
       lamb_options=options,
-    )
+    ),
   )
   if isinstance(bias_correction, bool):
     return _with_do_update(make(bias_correction))
@@ -241,7 +242,9 @@ def _ratio_bounds(ratio_min: Any, ratio_max: Any) -> tuple[Any, Any]:
 def _global_clip(clip: Any, axis_name: Any) -> Any:
   """`build`'s grad_transform for ORT's clip, or None without one: g c / G where G > c, G the
   global norm of the unscaled gradients (a NaN G clips nothing, an infinite one zeroes every
-  finite gradient, as ``_ComputeGradScale`` does with the scaled norm)."""
+  finite gradient, as ``_ComputeGradScale`` does with the scaled norm). Not the planned step's
+  clip (``max_grad_norm``), which it legitimately differs from there: lamb's clip factor of a
+  NaN norm is NaN."""
   if clip is None:
     return None
 
@@ -268,7 +271,9 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
 
 def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
   """`tx` whose update takes ORT's ``do_update`` input: where it is false, zero updates and the
-  state as it was (selected where each buffer is written, as a skipped step keeps it)."""
+  state as it was. A Python bool is decided here; an array is handed to the planned step as its
+  gate (`build`'s ``gate="do_update"``), which keeps each buffer where it is written, as a skipped
+  step keeps it (the skip's take, written once), without counting a skip."""
 
   def update_fn(
     updates: Any, state: Any, params: Any = None, *, do_update: Any = None, **extra_args: Any
@@ -278,11 +283,8 @@ def _with_do_update(tx: optax.GradientTransformationExtraArgs) -> Any:
     if isinstance(do_update, (bool, np.bool_)):  # False: nothing runs
       return jax.tree.map(jnp.zeros_like, updates if params is None else params), state
     _check_do_update(do_update)
-    take = jnp.asarray(do_update) != 0
-    new_updates, new_state = tx.update(updates, state, params, **extra_args)
-    keep = lambda new, old: jnp.where(take, new, old)
-    new_updates = jax.tree.map(lambda u: keep(u, jnp.zeros_like(u)), new_updates)
-    return new_updates, jax.tree.map(keep, new_state, state)
+    gate = jnp.asarray(do_update) != 0
+    return tx.update(updates, state, params, do_update=gate, **extra_args)
 
   if isinstance(tx, FusableTransformation):  # update_and_apply passes no do_update
     return FusableTransformation(tx.init, update_fn, tx.fused_apply)

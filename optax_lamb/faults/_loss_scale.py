@@ -40,6 +40,16 @@ def unscale(grads: Any, grad_scale: Scalar) -> Any:
   return jax.tree.map(lambda g: _leaf.unscale(g, grad_scale), grads)
 
 
+def divided(grads: Any, built: Any, given: Any, state: Any) -> tuple[Any, Any]:
+  """(`grads` divided by this step's loss scale, the scale's state after it): the scale fixed
+  when built (`built`: a number, an array or a schedule read at ``state.count``) or `given` to
+  update (checked here), or none. The one division by the loss scale: :func:`unscale_gradients`
+  and the prologue of lamb and the compat constructors."""
+  given = None if given is None else given_scale(given)
+  scale, state = _options.grad_scale_at_step(built, given, state)
+  return (grads if scale is None else unscale(grads, scale)), state
+
+
 def given_scale(given: Any) -> Any:
   """The scale passed as ``update(..., grad_scale=s)``, checked: the gradients that update
   receives are multiplied by it."""
@@ -108,9 +118,7 @@ def unscale_gradients(
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     del params
     given = extra_args.get("grad_scale") if from_update else None  # else the optimizer's
-    given = None if given is None else given_scale(given)
-    scale, state = _options.grad_scale_at_step(grad_scale, given, state)
-    return (updates if scale is None else unscale(updates, scale)), state
+    return divided(updates, grad_scale, given, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -10,8 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_lamb import _nnx
-from optax_lamb.core import _leaf, _ratios
-from optax_lamb.core._config import LambConfig, PerLeafAxisNames
+from optax_lamb.core import _ratios
+from optax_lamb.core._config import PerLeafAxisNames
 from optax_lamb.faults import _check_args, _checks, _explain, _loss_scale, _spikes
 from optax_lamb.faults._decision import decide, passes
 from optax_lamb.faults._spikes import SkipSpikesState, SpikeRule
@@ -150,10 +149,7 @@ def skip_nonfinite(
     _check_args.check_count("max_consecutive_errors", max_consecutive_errors)
   _check_args.check_bool("check_results", check_results)
   _spikes.check_rule("spikes", spikes)
-  return skipping(inner, axis_name, max_consecutive_errors, check_results, spikes=spikes)
-
-
-GradsOk = Callable[[Any, Any], jax.Array]  # (grads, params) -> whether the step may be taken
+  return skipping(inner, axis_name, max_consecutive_errors, check_results, spikes)
 
 
 def skipping(
@@ -161,11 +157,11 @@ def skipping(
   axis_name: PerLeafAxisNames,
   max_errors: int | None,
   check_results: bool,
-  grads_ok: GradsOk | None = None,
   spikes: SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """`skip_nonfinite` with checked arguments; `grads_ok` decides from the gradients in place of
-  their finiteness (lamb's own skip: `gradients_ok`)."""
+  """`skip_nonfinite` with checked arguments. lamb's own skip is not this wrapper: the planned
+  step decides it (`optax_lamb.step._plan.plan_step`) and keeps each buffer where it is written,
+  from the same `decide` and, for the state, the same `counted_state`."""
   inner = optax.with_extra_args_support(inner)
   state_type = SkipNonFiniteState if spikes is None else SkipSpikesState
 
@@ -189,7 +185,7 @@ def skipping(
       return _checking_results(
         inner, updates, state, params, extra_args, axis_name, max_errors, (spikes, verdict)
       )
-    ok = all_finite(updates, axis_name) if grads_ok is None else grads_ok(updates, params)
+    ok = all_finite(updates, axis_name)
     consecutive, take = decide(passes(ok, verdict), state.consecutive, max_errors)
     arrays = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
     others = {k: v for k, v in extra_args.items() if not isinstance(v, jax.Array)}
@@ -207,7 +203,7 @@ def skipping(
     new_updates, new_inner = jax.lax.platform_dependent(
       **_ratios.per_platform(on_cpu, on_accelerator)
     )
-    return new_updates, _counted(state, ok, consecutive, new_inner, (spikes, verdict), take)
+    return new_updates, counted_state(state, ok, consecutive, new_inner, (spikes, verdict), take)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -238,7 +234,7 @@ def _checking_results(
   new_updates, new_inner = jax.lax.platform_dependent(
     **_ratios.per_platform(on_cpu, on_accelerator)
   )
-  return new_updates, _counted(state, finite, consecutive, new_inner, judged, take)
+  return new_updates, counted_state(state, finite, consecutive, new_inner, judged, take)
 
 
 def selected(take: jax.Array, taken: tuple, kept: Any) -> tuple:
@@ -249,7 +245,7 @@ def selected(take: jax.Array, taken: tuple, kept: Any) -> tuple:
   return jax.tree.map(zeros, updates), jax.tree.map(lambda n, o: jnp.where(take, n, o), state, kept)
 
 
-def _counted(
+def counted_state(
   state: Any,
   finite: jax.Array,
   consecutive: jax.Array,
@@ -257,7 +253,8 @@ def _counted(
   judged: tuple,
   take: jax.Array,
 ) -> Any:
-  """The wrapper's state after a step; `judged`: (the spike rule, its verdict) or (None, None)."""
+  """The skip's state after a step (the wrapper's, lamb's planned step's): `finite`, the check
+  the gradients passed (a spike aside); `judged`: (the spike rule, its verdict) or (None, None)."""
   rule, verdict = judged
   if verdict is None:
     return counted(state, finite, consecutive, new_inner)
@@ -304,23 +301,3 @@ def skip_counts(opt_state: Any) -> SkipCounts:
   # Plain arrays also from a Flax NNX optimizer's state (OptVariable wrappers).
   counts = _nnx.plain_values((found[0].total, found[0].consecutive))
   return SkipCounts(*counts)
-
-
-def gradients_ok(config: LambConfig, master_weights: bool) -> GradsOk:
-  """lamb's own skip rule as a function of (grads, params), for the wrapper around the chain of
-  stages or the master weights: what `plan_step` decides with a `SkipRule` (the moments in
-  the params' dtype, or the master's with `master_weights`)."""
-
-  def ok(grads: Any, params: Any) -> jax.Array:
-    names = _checks.resolve_axis_names(config.per_leaf.axis_name, params)
-    leaves = [_leaf.to_compute_dtype(g) for g in jax.tree.leaves(grads)]
-    factor = None
-    if config.hyper.max_grad_norm is not None:
-      norm = _ratios.global_norm(leaves, names)
-      factor = _leaf.clip_factor(norm, config.hyper.max_grad_norm, config.hyper.clip_norm_eps)
-    dtype = lambda p: _leaf.compute_dtype(p.dtype) if master_weights else p.dtype
-    nus = [jax.ShapeDtypeStruct(jnp.shape(p), dtype(p)) for p in jax.tree.leaves(params)]
-    limits = _leaf.overflow_limits(config.options.nu_dtype, nus)
-    return _checks.gradients_ok(leaves, factor, limits, names)
-
-  return ok

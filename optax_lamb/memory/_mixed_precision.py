@@ -98,10 +98,10 @@ def with_master_weights(
   def update_fn(updates, state, params=None, **extra_args) -> tuple[Any, Any]:
     if params is None:
       raise ValueError("with_master_weights needs params: call update(grads, state, params)")
-    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), updates, state.master)
+    grads = in_master_dtype(updates, state.master)
     steps, inner_state = inner.update(grads, state.inner_state, state.master, **extra_args)
-    master = optax.apply_updates(state.master, steps)
-    return jax.tree.map(delta, master, params), MasterWeightsState(master, inner_state)
+    master, updates = advanced(state.master, steps, params)
+    return updates, MasterWeightsState(master, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -112,6 +112,18 @@ def master_copy(params: Any, dtype: Any = jnp.float32) -> Any:
   return jax.tree.map(
     lambda p: jnp.array(p, _master_dtype(jnp.result_type(p), dtype), copy=True), params
   )
+
+
+def in_master_dtype(grads: Any, master: Any) -> Any:
+  """The gradients cast to their masters' dtypes, which the inner step runs in."""
+  return jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+
+
+def advanced(master: Any, steps: Any, params: Any) -> tuple[Any, Any]:
+  """(the master after the inner step's `steps`, the params' updates towards it, `delta`):
+  what every master-weights step returns (`with_master_weights`, lamb's planned step)."""
+  master = optax.apply_updates(master, steps)
+  return master, jax.tree.map(delta, master, params)
 
 
 def delta(m: jax.Array, p: jax.Array) -> jax.Array:

@@ -140,7 +140,7 @@ def trust_ratio_stage(
     names = [n if a else None for n, a in zip(names, adapts, strict=True)]
     us, ps = treedef.flatten_up_to(updates), treedef.flatten_up_to(params)
     layout = layout_of(params, stacked_axes)  # the state's may be tree_map_params' placeholder
-    ratios = _ratio_vector(us, ps, s, layout, adapts, axes, names)
+    ratios = ratio_vector(us, ps, s, layout, adapts, axes, names)
     scaled = [
       _leaf.scale_by_ratio(u, r) if a else u
       for u, r, a in zip(us, layout.pieces(ratios), adapts, strict=True)
@@ -158,7 +158,7 @@ def layout_of(params: Any, stacked_axes: PerLeafAxes) -> RatioLayout:
   return RatioLayout(treedef, tuple(map(tuple, shapes)))
 
 
-def _ratio_vector(
+def ratio_vector(
   us: list,
   ps: list,
   s: StepScalars,

@@ -93,8 +93,8 @@ def lamb(
       ``"xla"`` (two fused passes over memory per leaf), ``"pallas_triton"``
       (alias ``"pallas"``: Triton kernels over buckets of leaves; without a GPU
       they run in Pallas interpret mode, slowly), ``"pallas_mosaic_gpu"`` (the same
-      passes as Mosaic GPU kernels, for Hopper GPUs), ``"reference"`` (the plain chain
-      of stages, slower), or a configured backend object such as
+      passes as Mosaic GPU kernels, for Hopper GPUs), ``"reference"`` (the stages'
+      plain math, leaf by leaf, slower), or a configured backend object such as
       ``optax_lamb.backends.pallas_triton.PallasTritonBackend(block_sizes=...)``.
       Same values and state. ``"pallas"`` is a permanent alias of exactly one backend,
       ``"pallas_triton"`` (not deprecated: no warning); a later GPU backend (Mosaic GPU)

@@ -1,34 +1,44 @@
-"""``implementation="reference"``: lamb as the public stages run one after another.
+"""``implementation="reference"``: the planned step on a backend that computes each stage as the
+stand-alone stages do, one after another.
 
-For lamb's own options this is ``optax.chain`` of :func:`optax_lamb.clip_by_global_norm`,
-:func:`optax_lamb.scale_by_adam`, :func:`optax_lamb.add_decayed_weights`,
-:func:`optax_lamb.scale_by_trust_ratio` and ``optax.scale_by_learning_rate``, and
-its state is that chain's: lamb's state on every implementation. The stages'
-options cover the compat variants that act inside one stage (``grad_averaging``,
-timm's caution, DeepSpeed's clip eps, torch_optimizer's ``clamp_value``). Three
-variants act across stages, and the stage states that checkpoints hold leave no
-room for what they would pass between them (the step count after the Adam
-stage), so `chain` wires the same stages around them here: the decay on the
-clipped gradient before the moments (L2), the decay of the params outside the
-ratio (Keras, timm ``decoupled_decay``) and the bias correction on the step size
-(DeepSpeed, torch_optimizer).
+The planned step (`optax_lamb.step._plan`, run by `optax_lamb.step._transform`) orchestrates
+as on every backend: the global norm and clip factor, the skip decision, the spike rule, the
+loss scale and the master weights are written there once. `ReferenceBackend` only supplies
+the per-leaf passes, in the stages' order and with their plain math: the moments and the
+direction of :func:`optax_lamb.scale_by_adam` (`_leaf.moments`, `_leaf.direction`, caution's
+`_ratios.caution_fraction`), the decay of :func:`optax_lamb.add_decayed_weights`
+(`_leaf.add_decay`, inside `_leaf.direction`), the ratios of
+:func:`optax_lamb.scale_by_trust_ratio` (`optax_lamb.stages._trust_ratio.ratio_vector`,
+from the materialized directions) and the learning rate (`_leaf.update`). No fusion, no
+recomputation: each leaf's u is kept between the norms and the update.
+
+The compat variants' cross-stage options (the decay on the clipped gradient before the moments,
+the decay of the params outside the ratio, the bias correction on the step size, ONNX Runtime's
+``finite_guard``) are `LambOptions` read by those `_leaf` functions, as on the other backends.
+lamb's state is that of ``optax.chain`` of the stages (`init`) on every implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 
-from optax_lamb.core import _leaf
+from optax_lamb.core import _leaf, _ratios
 from optax_lamb.core._config import LambConfig
 from optax_lamb.stages._adam import adam_stage
 from optax_lamb.stages._clipping import clip_stage
 from optax_lamb.stages._decay import add_decayed_weights
-from optax_lamb.stages._trust_ratio import trust_ratio_stage
-from optax_lamb.step._plan import decay_coefficient, given_scalars
+from optax_lamb.stages._trust_ratio import ratio_vector, trust_ratio_stage
+from optax_lamb.step._plan import (
+  LeafArrays,
+  LeafPlan,
+  StepPlan,
+  StepResult,
+  decay_coefficient,
+  given_scalars,
+)
 
 
 def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:
@@ -67,71 +77,61 @@ def stages(config: LambConfig) -> tuple[optax.GradientTransformation, ...]:
   return clip, adam, decay, trust, optax.scale_by_learning_rate(h.learning_rate)
 
 
-def chain(config: LambConfig) -> optax.GradientTransformation:
-  """The stages of `config` run one after another; its init is lamb's init everywhere."""
-  clip, adam, decay, trust, lr = parts = stages(config)
-  plain = optax.chain(*parts)
-  o = config.options
-  if (
-    o.weight_decay_placement == "direction"
-    and not o.bias_correction_on_step_size
-    and not o.finite_guard
-  ):
-    return plain
-  gradient, params_placement = (o.weight_decay_placement == p for p in ("gradient", "params"))
-
-  def update_fn(grads, state, params=None) -> tuple[Any, Any]:
-    clip_state, adam_state, decay_state, trust_state, lr_state = state
-    g, clip_state = clip.update(grads, clip_state, params)
-    if gradient:  # L2: the decay stage on the clipped gradient, before the moments
-      g, decay_state = decay.update(g, decay_state, params)
-    u, adam_state = adam.update(g, adam_state, params)
-    ratio_params, shrink = params, None
-    if params_placement:  # p shrinks by wd p outside the ratio, whose ||p|| is the shrunk one
-      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, _leaf.compute_dtype(p.dtype)), params)
-      shrink, decay_state = decay.update(zeros, decay_state, params)
-      ratio_params = jax.tree.map(lambda p, d: p.astype(d.dtype) - d, params, shrink)
-    elif not gradient:
-      u, decay_state = decay.update(u, decay_state, params)
-    if o.finite_guard:  # ONNX Runtime: a non-finite direction element is 0, its moments kept
-      u, adam_state = _finite_direction(u, params, adam_state, state[1])
-    u, trust_state = trust.update(u, trust_state, ratio_params)
-    u, lr_state = lr.update(u, lr_state, params)
-    if o.finite_guard:  # and a non-finite new param element is discarded (update 0)
-      u = jax.tree.map(_finite_update, u, params)
-    if o.bias_correction_on_step_size:
-      bcs = _leaf.bias_corrections(adam_state.count, config.hyper.b1, config.hyper.b2)
-      u = jax.tree.map(lambda x: x * _leaf.step_size_correction(*bcs).astype(x.dtype), u)
-    if shrink is not None:
-      u = jax.tree.map(lambda x, d: x - d, u, shrink)
-    return u, (clip_state, adam_state, decay_state, trust_state, lr_state)
-
-  return optax.GradientTransformation(plain.init, update_fn)
+def init(config: LambConfig) -> Any:
+  """lamb's init for `config` on every implementation: that of the chain of its stages."""
+  return optax.chain(*stages(config)).init
 
 
-def _finite_direction(u: Any, params: Any, new: Any, old: Any) -> tuple[Any, Any]:
-  """(u zeroed where `_leaf.finite_direction` is False, the Adam state `new` with the `old`
-  moments there): ``finite_guard`` on the stages' direction and moments."""
-  finite = jax.tree.map(_leaf.finite_direction, u, params)
-  keep = lambda f, n, o: jnp.where(f, n, o)
-  return (
-    jax.tree.map(lambda f, x: jnp.where(f, x, jnp.zeros_like(x)), finite, u),
-    new._replace(
-      mu=jax.tree.map(keep, finite, new.mu, old.mu), nu=jax.tree.map(keep, finite, new.nu, old.nu)
-    ),
-  )
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend:
+  """The per-leaf passes as the stages compute them (the module docstring); runs everywhere and
+  jax differentiates it. Only ``implementation="reference"`` takes it."""
+
+  name = "reference"
+  differentiable = True  # plain jnp
+
+  def auto_reason(self) -> str | None:
+    return "the reference is taken only when asked for"
+
+  def unsupported_reason(self, plan: StepPlan, leaves: list[LeafArrays]) -> str | None:
+    return None
+
+  def runs_interpreted(self) -> bool:
+    return False
+
+  def step(self, plan: StepPlan, leaves: list[LeafArrays], *, apply: bool) -> StepResult:
+    """The Adam stage per leaf, the trust-ratio stage over the tree, the learning rate per leaf."""
+    o, s = plan.options, plan.scalars
+    adam = [_adam(plan, leaf, x) for leaf, x in zip(plan.leaves, leaves, strict=True)]
+    us = [u for _, _, u in adam]
+    ps = [
+      _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
+      for leaf, x in zip(plan.leaves, leaves, strict=True)
+    ]
+    adapts = [leaf.adapt for leaf in plan.leaves]
+    axes = [leaf.stacked_axes for leaf in plan.leaves]
+    ratios = ratio_vector(us, ps, s, plan.layout, adapts, axes, plan.leaf_names)
+    out, mu, nu = [], [], []
+    for leaf, x, (m_c, v_c, u), ratio in zip(
+      plan.leaves, leaves, adam, plan.layout.pieces(ratios), strict=True
+    ):
+      r = ratio if leaf.adapt else None
+      out.append(_leaf.update(u, x.p, r, o, s, apply=apply, decay=leaf.decay))
+      m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
+      mu.append(m)
+      nu.append(v)
+    return StepResult(out, mu, nu, ratios)
 
 
-def _finite_update(u: Any, p: Any) -> Any:
-  """u, or 0 where p + u (in p's dtype, as `step` applies it) is not finite (``finite_guard``)."""
-  new = jnp.asarray(p + u.astype(p.dtype)).astype(p.dtype)
-  return jnp.where(jnp.isfinite(new), u, jnp.zeros_like(u))
-
-
-def step(
-  tx: optax.GradientTransformation, grads: Any, state: Any, params: Any, *, apply: bool
-) -> tuple[Any, Any]:
-  """The chain's updates in the params' dtypes, or the new params with `apply`."""
-  updates, state = tx.update(grads, state, params)
-  updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-  return (optax.apply_updates(params, updates) if apply else updates), state
+def _adam(plan: StepPlan, leaf: LeafPlan, x: LeafArrays) -> tuple[Any, Any, Any]:
+  """(m', v' in the compute dtype, u): the Adam stage's moments and direction, the decay
+  stage's term where the leaf decays in the direction (L2: in the moments' gradient)."""
+  o, s = plan.options, plan.scalars
+  m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+  g = kept = None
+  if o.caution:  # timm: over the leaf's (or slice's) direction before the decay
+    g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay)
+    u = _leaf.adam_direction(m_c, v_c, s).astype(x.g.dtype)
+    kept = _ratios.caution_fraction(u, g, leaf.stacked_axes, leaf.axis_name)
+  u = _leaf.direction(m_c, v_c, x.p, o, s, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
+  return m_c, v_c, u

@@ -17,8 +17,8 @@ Adding a backend (say ``"pallas_mosaic_gpu"``) is one module under
   without a GPU, with a warning), falling back to XLA with a warning where it
   cannot compute the step.
 * ``"xla"``: the fused XLA path; XLA partitions it under ``jax.jit``.
-* ``"reference"``: the chain of stages, built by `optax_lamb.step._transform` instead
-  of a backend step.
+* ``"reference"``: `optax_lamb.step._reference.ReferenceBackend`, the stages' plain math per
+  leaf in the same planned step (never taken by ``auto``).
 
 Warnings point at the caller's line, however many wrappers sit in between.
 """
@@ -106,6 +106,7 @@ def _import(module: str, attribute: str) -> Callable[[], Backend]:
 
 # name -> (what it is, a function making the backend with its default configuration)
 _LOADERS: dict[str, tuple[str, Callable[[], Backend]]] = {
+  "reference": ("the reference", _import("optax_lamb.step._reference", "ReferenceBackend")),
   "xla": ("XLA", _import("optax_lamb.backends.xla", "XlaBackend")),
   "pallas_triton": (
     "Pallas Triton",
@@ -116,7 +117,7 @@ _LOADERS: dict[str, tuple[str, Callable[[], Backend]]] = {
     _import("optax_lamb.backends.pallas_mosaic_gpu", "PallasMosaicGpuBackend"),
   ),
 }
-NAMES: tuple[str, ...] = ("auto", "reference", *_LOADERS, *ALIASES)
+NAMES: tuple[str, ...] = ("auto", *_LOADERS, *ALIASES)
 
 
 def backend(name: str) -> Backend:

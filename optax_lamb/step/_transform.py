@@ -1,9 +1,10 @@
 """lamb's transformation from its configuration: the prologue every update runs, then the step.
 
 The prologue checks the trees and the state (against ``init(params)``), divides
-by the loss scale and casts to float32; the step is the chain of stages
-(``implementation="reference"``, `optax_lamb.step._reference`) or a planned step
-(`optax_lamb.step._plan`) on the backend the registry picks (`optax_lamb.step._registry`).
+by the loss scale (`_loss_scale.divided`) and casts to float32; the step is the planned step
+(`optax_lamb.step._plan`) on the backend the registry picks (`optax_lamb.step._registry`;
+``implementation="reference"``: `optax_lamb.step._reference`), with lamb's skip, spike
+rule and master weights around it (`_planned_step`), the same for every backend.
 The same prologue runs before ``tx.update`` and before the fused apply of
 :func:`optax_lamb.update_and_apply`, which the transformation carries as a
 `FusableTransformation`'s ``fused_apply`` (only where no wrapper sits
@@ -23,16 +24,12 @@ from optax_lamb import _interop
 from optax_lamb.core import _leaf, _options
 from optax_lamb.core._config import LambConfig
 from optax_lamb.faults import _check_args, _checks, _skip, _spikes
-from optax_lamb.faults._loss_scale import (
-  UnscaleGradientsState,
-  check_grad_scale,
-  given_scale,
-)
+from optax_lamb.faults._loss_scale import UnscaleGradientsState, check_grad_scale, divided
 from optax_lamb.memory._mixed_precision import (
   MasterWeightsState,
-  delta,
+  advanced,
+  in_master_dtype,
   master_copy,
-  with_master_weights,
 )
 from optax_lamb.step import _plan, _reference, _registry
 from optax_lamb.step._update_and_apply import FusableTransformation
@@ -40,29 +37,35 @@ from optax_lamb.step._update_and_apply import FusableTransformation
 Step = Callable[..., tuple[Any, Any]]  # (grads, state, params, *, apply) -> (out, state)
 
 
-def _fused_step(
+def _planned_step(
   config: LambConfig,
   implementation: _registry.Implementation,
   skipping: bool,
   master: bool,
   spikes: _spikes.SpikeRule | None = None,
 ) -> Step:
-  """A planned step on the registry's backend, and lamb's own wrappers around it in the state
-  they give (`SkipNonFiniteState` outside `MasterWeightsState`): the skip decided before the
-  step, which then keeps every buffer where it is skipped; the step run on the master weights,
-  written in place, and the params' update taken towards them."""
+  """The planned step on the registry's backend (the reference too), and lamb's own wrappers
+  around it in the state they give (`SkipNonFiniteState` outside `MasterWeightsState`): the skip
+  (and spike rule) decided in the plan, before the step, which then keeps every buffer where it
+  is skipped; the step run on the master weights, written in place, and the params' update taken
+  towards them. Each is written here once, for every implementation and compat variant.
+  `gate`, a 0-d bool array or None, closes the step as a skip does, uncounted (ONNX Runtime's
+  ``do_update`` input): every buffer, the skip's counters too, kept where it is false."""
 
-  def step(grads: Any, state: Any, params: Any, *, apply: bool, value: Any = None) -> tuple:
+  def step(grads: Any, state: Any, params: Any, *, apply: bool, value=None, gate=None) -> tuple:
     inner = state.inner_state if skipping else state
     lamb_state, on = (inner.inner_state, inner.master) if master else (inner, params)
     if master:
-      grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, on)
+      grads = in_master_dtype(grads, on)
     verdict = None
     if spikes is not None:
       clip = config.hyper.max_grad_norm is not None
       verdict = _spikes.judge(spikes, state, grads, value, config.per_leaf.axis_name, None, clip)
     rule = _plan.SkipRule(state.consecutive, None, verdict) if skipping else None
     plan = _plan.plan_step(config, grads, lamb_state, on, rule)
+    if gate is not None:
+      take = gate if plan.scalars.take is None else jnp.logical_and(gate, plan.scalars.take)
+      plan = plan._replace(scalars=plan.scalars._replace(take=take))
     result = _registry.step(
       implementation, plan, _leaf_arrays(plan, grads, on), apply=apply and not master
     )
@@ -71,17 +74,21 @@ def _fused_step(
       _next_state(plan, result, lamb_state),
     )
     if master:  # out is the master's update (0 where skipped), applied as with_master_weights does
-      new_master = optax.apply_updates(on, out)
+      new_master, out = advanced(on, out, params)
       new_inner = MasterWeightsState(new_master, new_inner)
-      out = jax.tree.map(lambda m, p: _leaf.kept(delta(m, p), 0, plan.scalars), new_master, params)
+      out = jax.tree.map(lambda u: _leaf.kept(u, 0, plan.scalars), out)
       out = optax.apply_updates(params, out) if apply else out
     if plan.skipping is None:
       return out, new_inner
-    if spikes is None or verdict is None:
-      return out, _skip.counted(state, *plan.skipping, new_inner)
-    ok, consecutive = plan.skipping
+    judged = (spikes, verdict)
     take = jnp.asarray(plan.scalars.take)  # set: the plan had a SkipRule
-    return out, _spikes.counted(spikes, state, ok, verdict, take, consecutive, new_inner)
+    counted = _skip.counted_state(state, *plan.skipping, new_inner, judged, take)
+    if gate is None:
+      return out, counted
+    counters = [f for f in counted._fields if f != "inner_state"]  # as they were, where closed
+    return out, counted._replace(
+      **{f: jnp.where(gate, getattr(counted, f), getattr(state, f)) for f in counters}
+    )
 
   return step
 
@@ -95,13 +102,15 @@ def build(
   master_weights: bool = False,
   grad_transform: Callable[[Any, Any], Any] | None = None,
   skip_spikes: _spikes.SpikeRule | None = None,
+  gate: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The transformation of `config` (as `_check_args.lamb_config` builds it, checked), on
   `implementation`, behind the wrappers asked for (their arguments checked here).
 
   `grad_transform(grads, params) -> grads`, if given, is applied to the unscaled
   float32 gradients before the step, on every implementation (``optax_lamb.compat``:
-  Keras' per-variable ``clipnorm`` and ``clipvalue``).
+  Keras' per-variable ``clipnorm`` and ``clipvalue``). `gate`, if given, names the keyword of
+  ``update`` whose 0-d bool array closes the step where false (`_planned_step`'s `gate`).
   """
   _registry.check_implementation(implementation)
   _check_args.check_bool("skip_nonfinite", skip_nonfinite)
@@ -113,51 +122,38 @@ def build(
       f"skip_nonfinite=False, skip_spikes={skip_spikes!r}"
     )
   check_grad_scale(grad_scale)
-  chain = _reference.chain(config)
-  # On a backend, lamb's own skip and master weights are part of the planned step (no copy of
-  # the state, the choice fused into its writes); on the chain of stages, the wrappers.
-  fused = implementation != "reference"
-  if fused:
-    lamb_step: Step = _fused_step(
-      config, implementation, skip_nonfinite, master_weights, skip_spikes
-    )
-  else:
-    lamb_step = lambda g, s, p, *, apply, value=None: _reference.step(chain, g, s, p, apply=apply)
+  lamb_step = _planned_step(config, implementation, skip_nonfinite, master_weights, skip_spikes)
 
-  def step(grads: Any, state: Any, params: Any, *, apply: bool, value: Any = None) -> tuple:
+  def step(grads: Any, state: Any, params: Any, *, apply: bool, value=None, closed=None) -> tuple:
     if grad_transform is not None:
       grads = grad_transform(grads, params)
-    return lamb_step(grads, state, params, apply=apply, value=value)
+    return lamb_step(grads, state, params, apply=apply, value=value, gate=closed)
 
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple:
-    return step(updates, state, params, apply=False, value=extra_args.get("value"))
+    closed = None if gate is None else extra_args.get(gate)
+    return step(updates, state, params, apply=False, value=extra_args.get("value"), closed=closed)
 
-  skipping = (fused and skip_nonfinite, skip_spikes)
-  tx = optax.GradientTransformationExtraArgs(
-    _init(chain, fused and master_weights, skipping), update_fn
+  init = _init(_reference.init(config), master_weights, (skip_nonfinite, skip_spikes))
+  tx = optax.GradientTransformationExtraArgs(init, update_fn)
+  # update_and_apply writes the new params in the last pass; the reference stays the plain
+  # update + apply_updates, as the stages compose.
+  fused_apply = (
+    (lambda g, s, p: step(g, s, p, apply=True)) if implementation != "reference" else None
   )
-  if master_weights and not fused:
-    tx = with_master_weights(tx)
-  if skip_nonfinite and not fused:
-    grads_ok = _skip.gradients_ok(config, master_weights)
-    tx = _skip.skipping(tx, config.per_leaf.axis_name, None, False, grads_ok, skip_spikes)
-  # update_and_apply writes the new params in the last pass (on a backend); the chain of
-  # stages falls back to update + apply_updates.
-  fused_apply = (lambda g, s, p: step(g, s, p, apply=True)) if fused else None
   scale = _check_args.scalar_valued(grad_scale, "grad_scale")
-  return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply)
+  return with_prologue(tx, who="lamb", grad_scale=scale, fused_apply=fused_apply, gate=gate)
 
 
-def _init(chain: optax.GradientTransformation, master: bool, skipping: tuple) -> Callable:
-  """The init of the fused step's state: the chain's, inside lamb's own wrappers' states
-  (`skipping`: whether the step skips, and its spike rule or None)."""
+def _init(chain_init: Callable, master: bool, skipping: tuple) -> Callable:
+  """The init of the planned step's state: the chain of stages', inside lamb's own wrappers'
+  states (`skipping`: whether the step skips, and its spike rule or None)."""
 
   def init(params: Any) -> Any:
     if not master:
-      state = chain.init(params)
+      state = chain_init(params)
     else:
       copy = master_copy(params)
-      state = MasterWeightsState(copy, chain.init(copy))
+      state = MasterWeightsState(copy, chain_init(copy))
     if not skipping[0]:
       return state
     return _skip.initial_state(state) if skipping[1] is None else _spikes.initial_state(state)
@@ -171,6 +167,7 @@ def with_prologue(
   who: str,
   grad_scale: optax.ScalarOrSchedule | None = None,
   fused_apply: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None,
+  gate: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """`inner` behind the prologue; its state gains the loss-scale count for a scale schedule.
 
@@ -183,6 +180,8 @@ def with_prologue(
       unless built with ``from_update=True``).
     fused_apply: ``fn(grads, state, params) -> (new_params, new_state)`` computing
       ``inner.update`` + ``optax.apply_updates``; carried when no loss scale is set.
+    gate: the keyword of ``update`` (its value a 0-d bool array) that closes the step where
+      false: the loss-scale schedule's count is then kept too.
   """
   scheduled = callable(grad_scale)
 
@@ -212,11 +211,12 @@ def with_prologue(
     grads, state, params = prologue(updates, state, params)
     scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
     given = extra_args.pop("grad_scale", None)  # not handed on: divided out here, once
-    if given is not None:
-      given = given_scale(given)
-    scale, scale_state = _options.grad_scale_at_step(grad_scale, given, scale_state)
-    if scale is not None:
-      grads = jax.tree.map(lambda g: _leaf.unscale(g, scale), grads)
+    old_scale_state = scale_state
+    grads, scale_state = divided(grads, grad_scale, given, scale_state)
+    closed = extra_args.get(gate) if gate is not None else None
+    if closed is not None:  # a closed step keeps the schedule's count too (`build`'s gate)
+      keep = lambda new, old: jnp.where(closed, new, old)
+      scale_state = jax.tree.map(keep, scale_state, old_scale_state)
     updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
     return updates, ((scale_state, inner_state) if scheduled else inner_state)
 

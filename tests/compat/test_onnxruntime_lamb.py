@@ -193,6 +193,31 @@ def test_do_update_false_keeps_the_state_bit_identical():
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(
+  "options",
+  [
+    {"skip_nonfinite": True, "loss_scale": optax.constant_schedule(4.0)},
+    {"skip_nonfinite": True, "master_weights": True, "implementation": "reference"},
+  ],
+)
+def test_do_update_false_keeps_the_wrapped_states_bit_identical(options):
+  """A false do_update closes the planned step: the skip's counters (after a skipped step), the
+  loss-scale schedule's count and the master weights stay as they were, with the moments."""
+  params = {n: jnp.asarray(p) for n, p in problem.initial_params().items()}
+  tx = compat.onnxruntime_lamb(LR, **{"implementation": "xla", **options})
+  grads = {n: jnp.asarray(g) for n, g in problem.gradients()[0].items()}
+  poisoned = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+  state = tx.update(grads, tx.init(params), params)[1]
+  state = tx.update(poisoned, state, params)[1]
+  assert int(optax_lamb.skip_counts(state).total) == 1
+  updates, new = jax.jit(lambda g, s, p: tx.update(g, s, p, do_update=jnp.asarray(False)))(
+    grads, state, params
+  )
+  assert all(not np.any(u) for u in jax.tree.leaves(updates))
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_pallas_declines_with_a_stated_reason():
   """The kernels do not implement the per-element rules: the step runs on XLA, saying why."""
   tx = compat.onnxruntime_lamb(LR, implementation=PALLAS)

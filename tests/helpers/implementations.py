@@ -27,7 +27,7 @@
   chunk tails, stacked slices and both kinds of pass 2 run on the option tree; a
   fallback to the XLA path is an error; ``"pallas-mosaic-gpu-compiled"``: the
   same compiled (a GPU of compute capability 9.0 or newer only);
-- ``"reference"``: the plain chain of stages.
+- ``"reference"``: the planned step on the reference backend (the stages' per-leaf math).
 
 The configurations are backend objects passed as ``implementation=``; for the
 Pallas ones, `lamb_for` also wraps ``update`` (and the transformation's ``fused_apply``) so that
