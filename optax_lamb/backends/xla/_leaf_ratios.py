@@ -72,9 +72,17 @@ def leaf_ratios(
   adapted: Sequence[bool],
   scaled: tuple[Sequence[jax.Array], Sequence[jax.Array]] | None = None,
 ) -> tuple[jax.Array, ...]:
-  """Per leaf, `_ratios.ratio_vector` of its sums (and its sums at the rescue scales)."""
+  """Per leaf, `_ratios.ratio_vector` of its sums (and its sums at the rescue scales). Each is a
+  call of one jitted function per adaptation: traced once per leaf shape, not once per leaf."""
+  of = {
+    adapt: jax.jit(lambda *sums, a=adapt: _ratios.ratio_vector(_slot_sums(*sums), s, a))
+    for adapt in (False, True)
+  }
   out = []
   for i, (p, u, adapt) in enumerate(zip(param, update, adapted, strict=True)):
-    rescued = None if scaled is None else (scaled[0][i], scaled[1][i])
-    out.append(_ratios.ratio_vector(_ratios.SlotSums(p, u, rescued), s, adapt))
+    out.append(of[adapt](p, u) if scaled is None else of[adapt](p, u, scaled[0][i], scaled[1][i]))
   return tuple(out)
+
+
+def _slot_sums(p: jax.Array, u: jax.Array, *scaled: jax.Array) -> _ratios.SlotSums:
+  return _ratios.SlotSums(p, u, (scaled[0], scaled[1]) if scaled else None)
