@@ -286,7 +286,9 @@ def _ratios_of(
       exact = _leaf_ratios.leaf_sums(
         layout, names, [[x[0] for x in scaled], [x[1] for x in scaled]], rows.members, scaled_rows
       )
-      return _leaf_ratios.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted, (*exact,))
+      return _leaf_ratios.leaf_ratios(
+        p_leaf, u_leaf, plan.scalars, leaf_adapted, (exact[0], exact[1])
+      )
 
     plain = lambda: _leaf_ratios.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted)
     pieces = jax.lax.cond(_ratios.needs_rescue(sums.param, sums.update, adapted), rescued, plain)
