@@ -325,6 +325,24 @@ def memory(results_dir: str, full: bool) -> str:
   return "\n".join(rows)
 
 
+def compile_time(results_dir: str) -> str:
+  """The compile-time benchmark (benchmarks/compile_time.py): its table, or that it is not
+  measured (no number without its JSON)."""
+  from benchmarks import compile_time as bench
+
+  path = os.path.join(results_dir, "compile-cpu-2core.json")
+  if not os.path.exists(path):
+    return "Compile time: not measured at this commit (`python -m benchmarks.compile_time`)."
+  results = _load(path)
+  tree = next(iter(results["trees"]))
+  return (
+    f"Measured on {results['device']}, jax {results['versions'].get('jax', '?')}, commit "
+    f"{results['commit']}, {results['date']}, {tree}, median of {results['repeats']} "
+    f"interleaved rounds (`benchmarks/results/compile-cpu-2core.json`):\n\n"
+    + bench.table(results, tree)
+  )
+
+
 def plateau_summary(plateau_path: str, full: bool) -> str:
   """The search past the plateau: the table and findings (with `full`: steps, trials, compute)."""
   from optax_lamb_recipes import plateau, search
@@ -465,6 +483,7 @@ def benchmark_blocks(root: str) -> dict[str, dict[str, str]]:
     os.path.join("docs", "benchmarks.md"): {
       "cpu traffic": traffic(results, "cpu-2core.json", "bert-base", _TRAFFIC),
       "memory": memory(results, full=True),
+      "compile time": compile_time(results),
     },
     os.path.join("docs", "KERNELS.md"): {
       "gpu traffic": traffic(results, gpu, "bert-large", _TRAFFIC)

@@ -353,7 +353,7 @@ def with_fixed_scale_sums(sums: SlotSums, layout: RatioLayout, names: Sequence[A
   )
 
 
-def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool]) -> jax.Array:
+def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool] | bool) -> jax.Array:
   """The trust ratio of each slot (1 where it does not adapt, or where `s.adapt_gate` is 0) from
   its sums; with `sums.scaled`, exact norms where a plain sum over- or underflowed."""
   if sums.scaled is None:

@@ -32,6 +32,7 @@ XLA_PATH = [
   "step/_plan.py",
   "faults/_checks.py",
   "backends/xla/_chunked_sums.py",  # 8-bit moments on one CPU device only (`XlaBackend.chunked_sums`)
+  "backends/xla/_leaf_ratios.py",  # the ratios per leaf, in the program lowered for a CPU
   "core/_ratios.py",
   "core/_leaf.py",
   "core/_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)

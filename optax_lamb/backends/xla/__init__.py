@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lamb.backends import fields
-from optax_lamb.backends.xla import _chunked_sums
+from optax_lamb.backends.xla import _chunked_sums, _leaf_ratios
 from optax_lamb.core import _leaf, _moment_storage, _ratios
 from optax_lamb.core._options import RatioLayout
 from optax_lamb.step._plan import LeafArrays, LeafPlan, StepPlan, StepResult
@@ -88,12 +88,10 @@ class XlaBackend(fields.Checked):
     ]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
     rows = slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
-    ratios = _ratios_of(plan, leaves, firsts, rows, joint)
+    ratios, pieces = _ratios_of(plan, leaves, firsts, rows, joint)
     seconds = [
       _pass2(plan, leaf, x, f, ratio, apply=apply)
-      for leaf, x, f, ratio in zip(
-        plan.leaves, leaves, firsts, plan.layout.pieces(ratios), strict=True
-      )
+      for leaf, x, f, ratio in zip(plan.leaves, leaves, firsts, pieces, strict=True)
     ]
     out, mu, nu = ([second[i] for second in seconds] for i in range(3))
     return StepResult(out, mu, nu, ratios)
@@ -250,31 +248,18 @@ def _pass1(
 
 def _ratios_of(
   plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1], rows: SliceRows, joint: bool
-) -> jax.Array:
-  """The ratio vector; where a plain sum is suspect, from the sums at the rescue scales: on the
-  CPU computed only then from few operands (the small leaves' rows, the others' new moments and
-  params); elsewhere pass 1's sums at both scales (and the rows' at both), chosen per slot."""
+) -> tuple[jax.Array, list[jax.Array]]:
+  """The ratio vector and its per-leaf pieces; where a plain sum is suspect, from the sums at the
+  rescue scales: on the CPU computed only then from few operands (the small leaves' rows, the
+  others' new moments and params), each leaf's ratio from its own sums (`_leaf_ratios`: one
+  kernel per leaf shape); elsewhere pass 1's sums at both scales (and the rows' at both), chosen
+  per slot, the pieces sliced from the vector."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
   p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
-  sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, rows_sq_sums(rows, layout))
+  row_sums = rows_sq_sums(rows, layout)
+  sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, row_sums)
 
-  def rescued() -> jax.Array:
-    slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]
-    p_scales, u_scales = (layout.pieces(x) for x in slot_scales)
-    scaled = [
-      (None, None) if f.p_sq is None else _scaled_sums(plan, leaf, x, f, p_scale, u_scale, joint)
-      for leaf, x, f, p_scale, u_scale in zip(
-        plan.leaves, leaves, firsts, p_scales, u_scales, strict=True
-      )
-    ]
-    p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
-    scaled_rows = rows_sq_sums(rows, layout, slot_scales)
-    exact = _ratios.with_scaled_sums(
-      sums, layout, names, p_scaled, u_scaled, rows.members, scaled_rows
-    )
-    return _ratios.ratio_vector(exact, plan.scalars, adapted)
-
-  def on_accelerator() -> jax.Array:
+  def on_accelerator() -> tuple:
     slots = layout.offsets[-1]
     at = lambda scale: rows_sq_sums(rows, layout, [jnp.full(slots, scale, jnp.float32)] * 2)
     _, down, up = _ratios.opaque_scales()
@@ -283,14 +268,34 @@ def _ratios_of(
     exact = _ratios.with_fixed_scale_sums(
       sums, layout, names, p_down, u_down, p_up, u_up, rows.members, row_sums
     )
-    return _ratios.ratio_vector(exact, plan.scalars, adapted)
+    vector = _ratios.ratio_vector(exact, plan.scalars, adapted)
+    return vector, layout.pieces(vector)
 
-  on_cpu = lambda: jax.lax.cond(
-    _ratios.needs_rescue(sums.param, sums.update, adapted),
-    rescued,
-    lambda: _ratios.ratio_vector(sums, plan.scalars, adapted),
-  )
-  return jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
+  def on_cpu() -> tuple:
+    p_leaf, u_leaf = _leaf_ratios.leaf_sums(layout, names, [p_sq, u_sq], rows.members, row_sums)
+    leaf_adapted = [leaf.adapt for leaf in plan.leaves]
+
+    def rescued() -> tuple:
+      scales = [[_ratios.rescue_scale(x) for x in xs] for xs in (p_leaf, u_leaf)]
+      scaled = [
+        (None, None) if f.p_sq is None else _scaled_sums(plan, leaf, x, f, p_scale, u_scale, joint)
+        for leaf, x, f, p_scale, u_scale in zip(plan.leaves, leaves, firsts, *scales, strict=True)
+      ]
+      slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]  # the rows' scales, by slot
+      scaled_rows = rows_sq_sums(rows, layout, slot_scales)
+      exact = _leaf_ratios.leaf_sums(
+        layout, names, [[x[0] for x in scaled], [x[1] for x in scaled]], rows.members, scaled_rows
+      )
+      return _leaf_ratios.leaf_ratios(
+        p_leaf, u_leaf, plan.scalars, leaf_adapted, (exact[0], exact[1])
+      )
+
+    plain = lambda: _leaf_ratios.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted)
+    pieces = jax.lax.cond(_ratios.needs_rescue(sums.param, sums.update, adapted), rescued, plain)
+    return layout.join(pieces), list(pieces)
+
+  vector, pieces = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
+  return vector, list(pieces)
 
 
 def _scaled_sums(
