@@ -212,7 +212,8 @@ def with_prologue(
     scale_state, inner_state = state if scheduled else (optax.EmptyState(), state)
     given = extra_args.pop("grad_scale", None)  # not handed on: divided out here, once
     old_scale_state = scale_state
-    grads, scale_state = divided(grads, grad_scale, given, scale_state)
+    if grad_scale is not None or given is not None:  # no loss scale: nothing to divide
+      grads, scale_state = divided(grads, grad_scale, given, scale_state)
     closed = extra_args.get(gate) if gate is not None else None
     if closed is not None:  # a closed step keeps the schedule's count too (`build`'s gate)
       keep = lambda new, old: jnp.where(closed, new, old)

@@ -1,6 +1,6 @@
 """The package's shape: one update's walk through its modules, module and function sizes.
 
-One ``tx.update`` of lamb on the XLA path crosses at most 8 of the package's
+One ``tx.update`` of lamb on the XLA path crosses at most 9 of the package's
 files, top to bottom: a module calls only modules below it in `XLA_PATH`, never
 back up (docs/architecture.md draws both paths). The Pallas path keeps the same
 rule, with its backend package in place of ``backends/xla/``. The walk is
@@ -27,6 +27,7 @@ PACKAGE = Path(optax_lamb.__file__).resolve().parent
 # Top to bottom: a module may call the ones after it, never one before it.
 XLA_PATH = [
   "step/_transform.py",
+  "faults/_loss_scale.py",  # the prologue's unscaling (`_loss_scale.divided`, lamb's and the stage's)
   "step/_registry.py",
   "backends/xla/__init__.py",
   "step/_plan.py",
@@ -53,7 +54,7 @@ PALLAS_BACKEND = [
   "backends/gpu/tables.py",
   "backends/gpu/arrays.py",
 ]
-PALLAS_PATH = XLA_PATH[:2] + PALLAS_BACKEND + XLA_PATH[3:]
+PALLAS_PATH = XLA_PATH[:3] + PALLAS_BACKEND + XLA_PATH[4:]
 
 
 def _walk(implementation: Any, **kwargs) -> tuple[list[str], collections.Counter]:
@@ -95,7 +96,9 @@ def test_one_update_walks_down_the_layers(implementation, path):
   files, edges = _walk(implementation)
   assert set(files) <= set(path), sorted(set(files) - set(path))
   if implementation == "xla":
-    assert len(files) <= 8, files
+    # 9 since the CPU program's per-leaf ratios got their module (backends/xla/_leaf_ratios.py:
+    # XLA:CPU's compile time, benchmarks/NOTES.md); 8 before
+    assert len(files) <= 9, files
   upward = [(a, b) for a, b in edges if path.index(a) >= path.index(b)]
   assert not upward, upward
 
