@@ -84,10 +84,13 @@ def case_table(report: dict) -> str:
 
 
 def benchmark_tables(results_dir: str) -> str:
-  """Every committed result file: where and when it was measured, then its table."""
+  """Every committed step benchmark file: where and when it was measured, then its table (the
+  compile-time file, rendered into docs/benchmarks.md, has no per-tree cases)."""
   parts = []
   for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
     report = _load(path)
+    if "cases" not in report:
+      continue
     parts.append(f"## {_source(report, path)}\n")
     if report.get("note"):
       parts.append(report["note"] + "\n")
