@@ -159,4 +159,8 @@ nitpick_ignore_regex = [
   # `implementation`'s type: a name ("auto", "xla", "pallas_triton", ...) or a backend object,
   # both described in lamb's entry; the alias itself is private.
   (r"py:class", r"Implementation"),
+  # the per-leaf options' types (optax_lamb.core._config, private): each entry's text says what a
+  # mask, stacked axes or axis names may be
+  (r"py:class", r"PerLeaf(Mask|Axes|AxisNames)|AxisNames|DTypeLike|TypeAliasForwardRef"),
+  (r"py:class", r"'optax\..*'"),  # a quoted annotation, as autodoc leaves some
 ]
