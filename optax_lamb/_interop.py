@@ -6,6 +6,7 @@ Nothing else in the package imports a private name of jax, optax or flax.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 from collections.abc import Callable, Mapping
@@ -94,27 +95,35 @@ def register_quantized_moment_with_flax(moment_type: type) -> None:
     return
   key = getattr(serialization, "_NamedTuple", None)
   handlers = getattr(serialization, "_STATE_DICT_REGISTRY", {}).get(key)
-  if handlers is None or getattr(handlers[1], "refuses", None) is moment_type:
-    return
-  to_state_dict, from_state_dict = handlers
+  restore = handlers and handlers[1]
+  if handlers is None or (isinstance(restore, _RefusingRestore) and restore.moment is moment_type):
+    return  # registered once per type
+  refusing = _RefusingRestore(moment_type, handlers[1], serialization.current_path)
+  serialization.register_serialization_state(key, handlers[0], refusing, override=True)
 
-  def restore(target: Any, state: Any) -> Any:
-    if isinstance(target, moment_type) and not isinstance(state, Mapping):
-      moment: Any = target
-      codes, scales = (jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype) for x in moment)
+
+@dataclasses.dataclass(frozen=True)
+class _RefusingRestore:
+  """flax's NamedTuple restore (`fallback`), refusing a plain array where the target is a
+  `moment` (`register_quantized_moment_with_flax`)."""
+
+  moment: type
+  fallback: Callable[[Any, Any], Any]
+  current_path: Callable[[], str]
+
+  def __call__(self, target: Any, state: Any) -> Any:
+    if isinstance(target, self.moment) and not isinstance(state, Mapping):
+      codes, scales = (jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype) for x in target)
       dtype = getattr(state, "dtype", type(state).__name__)
       found = f"an array of shape {jax.numpy.shape(state)} and dtype {dtype}"
-      where = serialization.current_path().removeprefix("./")
+      where = self.current_path().removeprefix("./")
       raise ValueError(
         f"flax.serialization: the checkpoint holds {found} at {where} where the target state "
         f"has an 8-bit moment (QuantizedMoment: codes {codes.dtype} of shape {codes.shape}, "
         f"scales {scales.dtype} of shape {scales.shape}). The checkpoint was saved by an "
         "optimizer with other mu_dtype/nu_dtype: restore it into that optimizer's init(params)."
       )
-    return from_state_dict(target, state)
-
-  restore.refuses = moment_type  # type: ignore[attr-defined]  # registered once per type
-  serialization.register_serialization_state(key, to_state_dict, restore, override=True)
+    return self.fallback(target, state)
 
 
 def check_host_memory(who: str) -> None:

@@ -16,9 +16,9 @@ NaN fails every comparison, so each check states what is allowed
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -280,6 +280,23 @@ def _check_variant_fields(o: LambOptions, h: Hyperparams) -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ScalarValued:
+  """A schedule that refuses a value that is not a scalar, naming its argument."""
+
+  schedule: Callable[[Any], Any]
+  name: str
+
+  def __call__(self, count: Any) -> Any:
+    out = self.schedule(count)
+    if jnp.ndim(out) != 0:
+      raise ValueError(
+        f"{self.name} must be a schedule whose values are scalars, got {self.name}(count) of "
+        f"shape {jnp.shape(out)}"
+      )
+    return out
+
+
 def scalar_valued(value: Any, name: str) -> Any:
   """`value`; for a schedule, one that refuses a value that is not a scalar, naming `name`.
 
@@ -287,21 +304,9 @@ def scalar_valued(value: Any, name: str) -> Any:
   implementation: a schedule returning shape (2,) would otherwise broadcast a
   0-d param to shape (2,) on one path and fail with a stacking error on another.
   """
-  if not callable(value) or getattr(value, "_scalar_valued", False):
+  if not callable(value) or isinstance(value, ScalarValued):
     return value
-
-  @functools.wraps(value)
-  def schedule(count: jax.Array) -> jax.Array:
-    out = value(count)
-    if jnp.ndim(out) != 0:
-      raise ValueError(
-        f"{name} must be a schedule whose values are scalars, got {name}(count) of shape "
-        f"{jnp.shape(out)}"
-      )
-    return out
-
-  schedule._scalar_valued = True  # type: ignore[attr-defined]
-  return schedule
+  return ScalarValued(value, name)
 
 
 _KINDS = {"bool": "True or False", "int": "an int >= 0"}

@@ -47,6 +47,7 @@ ImplementationName: TypeAlias = Literal[
 Implementation: TypeAlias = "ImplementationName | Backend"
 ALIASES = {"pallas": "pallas_triton"}  # the Triton kernels' name before a second GPU backend
 AUTO_ORDER = ("pallas_triton", "pallas_mosaic_gpu", "xla")  # Mosaic GPU where Triton is missing
+GPU_BACKENDS = ("pallas_triton", "pallas_mosaic_gpu")  # auto_reason: not on other backends
 # Why `auto` takes a backend where it can, for the log line: what was measured, where.
 AUTO_BASIS = {
   "pallas_triton": (
@@ -150,9 +151,17 @@ def check_implementation(implementation: Any) -> None:
 def _candidates(implementation: Implementation) -> list[Backend]:
   """The backends to try, in order: the requested one first, XLA last."""
   if implementation == "auto":
-    return [backend(name) for name in AUTO_ORDER]
+    return [_for_auto(name) for name in AUTO_ORDER]
   chosen = backend(implementation) if isinstance(implementation, str) else implementation
   return [chosen] if chosen.name == "xla" else [chosen, backend("xla")]
+
+
+def _for_auto(name: str) -> Backend:
+  """The backend `name` for `auto`; without a GPU, a GPU backend is not imported (its import
+  registers lowering rules), and says why `auto` passes it by."""
+  if name in GPU_BACKENDS and jax.default_backend() != "gpu":
+    return Unavailable(name, f"backend {jax.default_backend()!r}: the kernels are for GPUs")
+  return backend(name)
 
 
 def choose(implementation: Implementation, plan: StepPlan, leaves: list[LeafArrays]) -> Backend:

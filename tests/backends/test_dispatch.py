@@ -358,3 +358,28 @@ def test_the_fused_apply_survives_a_tree_map_of_the_transformation():
   got = optax_lamb.update_and_apply(rebuilt, grads, rebuilt.init(params), params)
   want = optax_lamb.update_and_apply(tx, grads, tx.init(params), params)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+
+
+def test_auto_without_a_gpu_imports_no_gpu_backend():
+  """On a CPU, auto passes the GPU backends by without importing them (their import registers
+  lowering rules in jax), and says why in its log line."""
+  script = textwrap.dedent(
+    """
+    import logging, sys
+    import jax, jax.numpy as jnp, optax_lamb
+    logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
+    params = {"w": jnp.arange(12.0).reshape(4, 3)}
+    tx = optax_lamb.lamb(1e-2)
+    tx.update(params, tx.init(params), params)
+    gpu = ("optax_lamb.backends.pallas_triton", "optax_lamb.backends.pallas_mosaic_gpu")
+    print("IMPORTED", [m for m in gpu if m in sys.modules])
+    """
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+  )
+  assert run.returncode == 0, run.stderr
+  assert "IMPORTED []" in run.stdout.splitlines()
+  logs = [line for line in run.stdout.splitlines() if line.startswith("LOG optax_lamb.lamb")]
+  assert len(logs) == 1 and "pallas_triton: backend 'cpu': the kernels are for GPUs" in logs[0]

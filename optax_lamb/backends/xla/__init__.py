@@ -15,7 +15,8 @@ An `optimization_barrier` between the passes keeps u a recomputation, not a stor
 stored narrower than computed: pass 2 recomputes them from the old ones (u never sees their
 rounding). The smallest leaves, `materialize_u_max_size` elements in all, keep u; on one device
 their sums come from zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us
-a call). Every formula is `_leaf`'s, every norm `_ratios`'.
+a call). Every formula is `_leaf`'s, every norm `_ratios`'. Each leaf's passes are
+traced once per leaf shape (`_per_leaf.traced_once`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lamb.backends import fields
-from optax_lamb.backends.xla import _chunked_sums, _leaf_ratios
+from optax_lamb.backends.xla import _chunked_sums, _per_leaf
 from optax_lamb.core import _leaf, _moment_storage, _ratios
-from optax_lamb.core._options import RatioLayout
+from optax_lamb.core._options import LambOptions, RatioLayout, StepScalars
 from optax_lamb.step._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
@@ -82,15 +83,16 @@ class XlaBackend(fields.Checked):
     kept = _smallest_within(plan.leaves, self.materialize_u_max_size, rows_on)
     auto_chunks = _chunked_sums.CHUNK_ELEMENTS if joint and _ratios.column_blocks("cpu") else 0
     chunks = auto_chunks if self.chunked_sums is None else self.chunked_sums
+    o, s = plan.options, plan.scalars
     firsts = [
-      _pass1(plan, leaf, x, leaf.index in kept, in_rows=rows_on, joint=joint, chunks=chunks)
+      _pass1(o, s, leaf, x, keep_u=leaf.index in kept, in_rows=rows_on, joint=joint, chunks=chunks)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
     rows = slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
     ratios, pieces = _ratios_of(plan, leaves, firsts, rows, joint)
     seconds = [
-      _pass2(plan, leaf, x, f, ratio, apply=apply)
+      _pass2(o, s, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(plan.leaves, leaves, firsts, pieces, strict=True)
     ]
     out, mu, nu = ([second[i] for second in seconds] for i in range(3))
@@ -156,9 +158,10 @@ class _Pass1(NamedTuple):
   scaled: tuple[jax.Array, ...] | None = None
 
 
-def _direction(plan: StepPlan, leaf: LeafPlan, x: LeafArrays, m, v, p, kept) -> jax.Array:
+def _direction(
+  o: LambOptions, s: StepScalars, leaf: LeafPlan, x: LeafArrays, m, v, p, kept
+) -> jax.Array:
   """u from the moments (`_leaf.direction`); with caution, masked by the moments' gradient."""
-  o, s = plan.options, plan.scalars
   g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay) if o.caution else None
   return _leaf.direction(m, v, p, o, s, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
 
@@ -176,12 +179,14 @@ def _smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> se
   return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
 
 
+@_per_leaf.traced_once
 def _pass1(
-  plan: StepPlan,
+  o: LambOptions,
+  s: StepScalars,
   leaf: LeafPlan,
   x: LeafArrays,
-  keep_u: bool,
   *,
+  keep_u: bool,
   in_rows: bool,
   joint: bool,
   chunks: int,
@@ -189,7 +194,6 @@ def _pass1(
   """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`. On the CPU
   the plain sums, 8-bit moments' from a loop over `chunks` elements at a time (0: not); on
   other platforms the sums at `_ratios.SCALES` in the same reduction (no loop)."""
-  o, s = plan.options, plan.scalars
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
   if not leaf.narrow_moments:  # u from the moments as stored (kept where skipped): the old ones
@@ -207,7 +211,7 @@ def _pass1(
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept, scaled=(zeros,) * 4)
   quantized = any(isinstance(y, _moment_storage.QuantizedMoment) for y in (x.m, x.v))
   loop = chunks and quantized and not (keep_u or o.caution) and _chunked_sums.applies(leaf.shape, k)
-  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)  # the loop's program leaves it unused
+  u = _direction(o, s, leaf, x, m_c, v_c, x.p, kept)  # the loop's program leaves it unused
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   if keep_u and in_rows:  # small leaf: computing u once and keeping it beats computing it twice
     return _Pass1(m, v, m_c, v_c, None, None, u, kept, p)
@@ -251,10 +255,11 @@ def _ratios_of(
 ) -> tuple[jax.Array, list[jax.Array]]:
   """The ratio vector and its per-leaf pieces; where a plain sum is suspect, from the sums at the
   rescue scales: on the CPU computed only then from few operands (the small leaves' rows, the
-  others' new moments and params), each leaf's ratio from its own sums (`_leaf_ratios`: one
+  others' new moments and params), each leaf's ratio from its own sums (`_per_leaf`: one
   kernel per leaf shape); elsewhere pass 1's sums at both scales (and the rows' at both), chosen
   per slot, the pieces sliced from the vector."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
+  o, s = plan.options, plan.scalars
   p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
   row_sums = rows_sq_sums(rows, layout)
   sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, row_sums)
@@ -272,25 +277,25 @@ def _ratios_of(
     return vector, layout.pieces(vector)
 
   def on_cpu() -> tuple:
-    p_leaf, u_leaf = _leaf_ratios.leaf_sums(layout, names, [p_sq, u_sq], rows.members, row_sums)
+    p_leaf, u_leaf = _per_leaf.leaf_sums(layout, names, [p_sq, u_sq], rows.members, row_sums)
     leaf_adapted = [leaf.adapt for leaf in plan.leaves]
 
     def rescued() -> tuple:
       scales = [[_ratios.rescue_scale(x) for x in xs] for xs in (p_leaf, u_leaf)]
       scaled = [
-        (None, None) if f.p_sq is None else _scaled_sums(plan, leaf, x, f, p_scale, u_scale, joint)
+        (None, None)
+        if f.p_sq is None
+        else _scaled_sums(o, s, leaf, x, f, p_scale, u_scale, joint=joint)
         for leaf, x, f, p_scale, u_scale in zip(plan.leaves, leaves, firsts, *scales, strict=True)
       ]
       slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]  # the rows' scales, by slot
       scaled_rows = rows_sq_sums(rows, layout, slot_scales)
-      exact = _leaf_ratios.leaf_sums(
+      exact = _per_leaf.leaf_sums(
         layout, names, [[x[0] for x in scaled], [x[1] for x in scaled]], rows.members, scaled_rows
       )
-      return _leaf_ratios.leaf_ratios(
-        p_leaf, u_leaf, plan.scalars, leaf_adapted, (exact[0], exact[1])
-      )
+      return _per_leaf.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted, (exact[0], exact[1]))
 
-    plain = lambda: _leaf_ratios.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted)
+    plain = lambda: _per_leaf.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted)
     pieces = jax.lax.cond(_ratios.needs_rescue(sums.param, sums.update, adapted), rescued, plain)
     return layout.join(pieces), list(pieces)
 
@@ -298,14 +303,22 @@ def _ratios_of(
   return vector, list(pieces)
 
 
+@_per_leaf.traced_once
 def _scaled_sums(
-  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, p_scale, u_scale, joint: bool
+  o: LambOptions,
+  s: StepScalars,
+  leaf: LeafPlan,
+  x: LeafArrays,
+  first: _Pass1,
+  p_scale,
+  u_scale,
+  *,
+  joint: bool,
 ) -> tuple:
   """The leaf's sums of (p s_p)^2 and (u s_u)^2 (`_ratios.rescue_scale`, per slice), in one pass."""
   k = leaf.stacked_axes
   if not leaf.adapt:
     return (jnp.zeros(leaf.shape[:k], jnp.float32),) * 2
-  o, s = plan.options, plan.scalars
   # From the branch's own operands, only those u needs (the conditional costs per operand):
   # shared with pass 1, XLA would compute them outside the branch and keep them in memory.
   if first.u is not None:  # kept in memory: read, not recomputed
@@ -318,44 +331,50 @@ def _scaled_sums(
     g = x.g if o.caution else None
     m_c, v_c, p, g, kept = jax.lax.optimization_barrier((first.m, first.v, x.p, g, first.kept))
     x = x._replace(p=p, g=x.g if g is None else g)
-  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
+  u = _direction(o, s, leaf, x, m_c, v_c, x.p, kept)
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k, joint=joint)
 
 
+@_per_leaf.traced_once
 def _pass2(
-  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool
+  o: LambOptions,
+  s: StepScalars,
+  leaf: LeafPlan,
+  x: LeafArrays,
+  first: _Pass1,
+  ratio,
+  *,
+  apply: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1
   (narrow moments: `_narrow_pass2`; pass 1 only read them, u never sees their rounding)."""
-  o, s = plan.options, plan.scalars
   p, u = x.p, first.u
   if leaf.narrow_moments and (u is None or not leaf.adapt):
-    return _narrow_pass2(plan, leaf, x, ratio, first.kept, apply=apply)
+    return _narrow_pass2(o, s, leaf, x, ratio, first.kept, apply=apply)
   if not leaf.adapt:
-    u = _direction(plan, leaf, x, first.m_c, first.v_c, p, first.kept)
+    u = _direction(o, s, leaf, x, first.m_c, first.v_c, p, first.kept)
     return _leaf.update(u, p, None, o, s, apply=apply, decay=leaf.decay), first.m, first.v
   if u is not None:
     return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay), first.m, first.v
   # Pass 2 starts here: the barrier keeps its u a recomputation, not a stored copy.
   p, m_c, v_c, ratio = jax.lax.optimization_barrier((p, first.m, first.v, ratio))
-  u = _direction(plan, leaf, x, m_c, v_c, p, first.kept)
+  u = _direction(o, s, leaf, x, m_c, v_c, p, first.kept)
   return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay), first.m, first.v
 
 
 def _narrow_pass2(
-  plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *, apply: bool
+  o: LambOptions, s: StepScalars, leaf: LeafPlan, x: LeafArrays, ratio, kept, *, apply: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
   update), the moments recomputed from g and the old ones, which pass 1 only read. XLA:CPU
   writes the three in separate fusions that each read the old moments: with `apply` the
   moments' come after p's (`_moment_storage.zero_after`); the update of ``tx.update`` is written
   by the caller, so XLA copies the old moments there (docs/memory.md)."""
-  o, s = plan.options, plan.scalars
   # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
   x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
-  u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
+  u = _direction(o, s, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
   if apply and leaf.size:  # g itself, bit for bit, as another expression (no CSE with u's)
     g = x.g - _moment_storage.zero_after(out, x.g)

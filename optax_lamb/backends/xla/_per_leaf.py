@@ -1,5 +1,14 @@
-"""The trust ratios as one array per leaf, from each leaf's own sums: what pass 2 multiplies by
-on the CPU, so that the pass-2 fusions of leaves of one shape are one kernel to XLA:CPU.
+"""Per-leaf work written so that leaves alike share one trace and one compiled kernel.
+
+`traced_once`: a leaf's pass is a jitted function of its arrays and the step's runtime scalars,
+its static facts (options, the leaf's shape and switches, the constant scalars) the cache key, so
+BERT-base's 199 leaves trace about a dozen times, not 199 (jax's trace and lowering were most of
+the step's compile-time excess over optax.lamb: benchmarks/NOTES.md, "Trace time"). XLA inlines
+the calls before it fuses, so the program it compiles is the same.
+
+`leaf_sums`, `leaf_ratios`: the trust ratios as one array per leaf, from each leaf's own sums:
+what pass 2 multiplies by on the CPU, so that the pass-2 fusions of leaves of one shape are one
+kernel to XLA:CPU.
 
 XLA:CPU compiles each distinct fusion once (benchmarks/NOTES.md, "Compile time"). A leaf's
 ratio sliced from the ratio vector puts the leaf's offset, a constant, into the fusion that
@@ -11,7 +20,8 @@ concatenation. The values are those of `_ratios.ratio_vector` on the slot vector
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +29,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lamb.core import _ratios
-from optax_lamb.core._options import RatioLayout, StepScalars, replicated
+from optax_lamb.core._options import (
+  LambOptions,
+  RatioLayout,
+  ScalarLayout,
+  StepScalars,
+  replicated,
+)
+from optax_lamb.step._plan import LeafPlan
+
+# A leaf's pass: (options, scalars, leaf, *arrays, **static switches) -> arrays.
+LeafPass = Callable[..., Any]
+
+
+def traced_once(fn: LeafPass) -> LeafPass:
+  """`fn` as one jitted function whose trace leaves alike share: same options, constant
+  scalars, static switches and leaf facts but for the leaf's position (index, ratio offset),
+  same array shapes and dtypes. Runtime scalars and arrays are its operands."""
+
+  @functools.partial(jax.jit, static_argnames=("options", "layout", "leaf", "static"))
+  def run(runtime, arrays, *, options, layout, leaf, static):
+    return fn(options, layout.join(runtime), leaf, *arrays, **dict(static))
+
+  @functools.wraps(fn)
+  def call(o: LambOptions, s: StepScalars, leaf: LeafPlan, *arrays: Any, **static: Any) -> Any:
+    layout, runtime = ScalarLayout.of(s)
+    anywhere = leaf._replace(index=0, ratio_offset=0)  # the position does not enter the pass
+    statics = tuple(sorted(static.items()))
+    return run(runtime, arrays, options=o, layout=layout, leaf=anywhere, static=statics)
+
+  return call
 
 
 def leaf_sums(
