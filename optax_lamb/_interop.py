@@ -113,7 +113,8 @@ class _RefusingRestore:
 
   def __call__(self, target: Any, state: Any) -> Any:
     if isinstance(target, self.moment) and not isinstance(state, Mapping):
-      codes, scales = (jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype) for x in target)
+      moment: Any = target
+      codes, scales = (jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype) for x in moment)
       dtype = getattr(state, "dtype", type(state).__name__)
       found = f"an array of shape {jax.numpy.shape(state)} and dtype {dtype}"
       where = self.current_path().removeprefix("./")

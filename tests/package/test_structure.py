@@ -33,7 +33,7 @@ XLA_PATH = [
   "step/_plan.py",
   "faults/_checks.py",
   "backends/xla/_chunked_sums.py",  # 8-bit moments on one CPU device only (`XlaBackend.chunked_sums`)
-  "backends/xla/_leaf_ratios.py",  # the ratios per leaf, in the program lowered for a CPU
+  "backends/xla/_sums.py",  # passes traced once per leaf shape; the CPU program's ratios
   "core/_ratios.py",
   "core/_leaf.py",
   "core/_moment_storage.py",  # 8-bit moments only (mu_dtype=int8, nu_dtype=uint8)
@@ -96,7 +96,7 @@ def test_one_update_walks_down_the_layers(implementation, path):
   files, edges = _walk(implementation)
   assert set(files) <= set(path), sorted(set(files) - set(path))
   if implementation == "xla":
-    # 9 since the CPU program's per-leaf ratios got their module (backends/xla/_leaf_ratios.py:
+    # 9 since the CPU program's per-leaf ratios got their module (backends/xla/_sums.py:
     # XLA:CPU's compile time, benchmarks/NOTES.md); 8 before
     assert len(files) <= 9, files
   upward = [(a, b) for a, b in edges if path.index(a) >= path.index(b)]

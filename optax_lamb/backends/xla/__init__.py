@@ -15,26 +15,31 @@ An `optimization_barrier` between the passes keeps u a recomputation, not a stor
 stored narrower than computed: pass 2 recomputes them from the old ones (u never sees their
 rounding). The smallest leaves, `materialize_u_max_size` elements in all, keep u; on one device
 their sums come from zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us
-a call). Every formula is `_leaf`'s, every norm `_ratios`'. Each leaf's passes are
-traced once per leaf shape (`_per_leaf.traced_once`).
+a call). Every formula is `_leaf`'s, every norm `_ratios`'.
+
+Each leaf's passes are jitted functions of its arrays and the step's runtime scalars, their
+static facts (options, the leaf's shape and switches, the constant scalars) the cache key
+(`traced_once`): BERT-base's 199 leaves trace about a dozen times, not 199 (jax's trace and
+lowering were most of the step's compile time over optax.lamb's: benchmarks/NOTES.md, "Trace
+time"). XLA inlines the calls before it fuses: the program it compiles is the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_lamb.backends import fields
-from optax_lamb.backends.xla import _chunked_sums, _per_leaf
+from optax_lamb.backends.xla import _chunked_sums, _sums
 from optax_lamb.core import _leaf, _moment_storage, _ratios
-from optax_lamb.core._options import LambOptions, RatioLayout, StepScalars
+from optax_lamb.core._options import LambOptions, ScalarLayout, StepScalars
 from optax_lamb.step._plan import LeafArrays, LeafPlan, StepPlan, StepResult
 
 
@@ -89,7 +94,7 @@ class XlaBackend(fields.Checked):
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
-    rows = slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
+    rows = _sums.slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
     ratios, pieces = _ratios_of(plan, leaves, firsts, rows, joint)
     seconds = [
       _pass2(o, s, leaf, x, f, ratio, apply=apply)
@@ -99,49 +104,27 @@ class XlaBackend(fields.Checked):
     return StepResult(out, mu, nu, ratios)
 
 
-class SliceRows(NamedTuple):
-  """Small leaves' slices as zero-padded rows, one group per padded width (`slice_rows`)."""
-
-  groups: tuple[tuple[jax.Array, ...], ...]  # per group, per input: [rows, width]
-  members: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # (leaf, stacked shape) per group
+# A leaf's pass: (options, scalars, leaf, *arrays, **static switches) -> arrays.
+LeafPass = Callable[..., Any]
 
 
-def slice_rows(xs: dict[int, Any], stacked_axes: dict[int, int]) -> SliceRows:
-  """The slices of small leaves (leaf position: its inputs) as rows in the compute dtype,
-  zero-padded to a power-of-two width, one group per width: XLA:CPU spends about 2 us a call on
-  every reduction, so twenty small leaves take one per width, not one per leaf and input."""
-  by_width: dict[int, list[int]] = {}
-  for i, arrays in xs.items():
-    length = math.prod(jnp.shape(arrays[0])[stacked_axes[i] :])
-    by_width.setdefault(1 << max(length - 1, 0).bit_length(), []).append(i)
-  groups, members = [], []
-  for width, idx in sorted(by_width.items()):
-    padded = [
-      [_padded_rows(xs[i][a], stacked_axes[i], width) for i in idx] for a in range(len(xs[idx[0]]))
-    ]
-    groups.append(tuple(jnp.concatenate(rows) for rows in padded))
-    members.append(tuple((i, tuple(jnp.shape(xs[i][0])[: stacked_axes[i]])) for i in idx))
-  return SliceRows(tuple(groups), tuple(members))
+def traced_once(fn: LeafPass) -> LeafPass:
+  """`fn` as one jitted function whose trace leaves alike share: same options, constant
+  scalars, static switches and leaf facts but for the leaf's position (index, ratio offset),
+  same array shapes and dtypes. Runtime scalars and arrays are its operands."""
 
+  @functools.partial(jax.jit, static_argnames=("options", "layout", "leaf", "static"))
+  def run(runtime, arrays, *, options, layout, leaf, static):
+    return fn(options, layout.join(runtime), leaf, *arrays, **dict(static))
 
-def _padded_rows(x: jax.Array, k: int, width: int) -> jax.Array:
-  shape = (math.prod(x.shape[:k]), math.prod(x.shape[k:]))
-  rows = jnp.reshape(x.astype(_leaf.compute_dtype(x.dtype)), shape)
-  return jnp.pad(rows, ((0, 0), (0, width - shape[1])))
+  @functools.wraps(fn)
+  def call(o: LambOptions, s: StepScalars, leaf: LeafPlan, *arrays: Any, **static: Any) -> Any:
+    layout, runtime = ScalarLayout.of(s)
+    anywhere = leaf._replace(index=0, ratio_offset=0)  # the position does not enter the pass
+    statics = tuple(sorted(static.items()))
+    return run(runtime, arrays, options=o, layout=layout, leaf=anywhere, static=statics)
 
-
-def rows_sq_sums(
-  rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax.Array] = ()
-) -> tuple[tuple[jax.Array, ...], ...]:
-  """Per group, per input, the sums of (x s)^2 over each row: `s` the row's slot's entry of that
-  input's `slot_scales` vector, or 1."""
-  out = []
-  for arrays, members in zip(rows.groups, rows.members, strict=True):
-    slots = np.concatenate([np.arange(*layout.offsets[i : i + 2]) for i, _ in members])
-    scales: list = [x[slots] for x in slot_scales] or [1.0] * len(arrays)
-    terms = tuple(_ratios.squares(a, s) for a, s in zip(arrays, scales, strict=True))
-    out.append(_ratios.small_sums(terms, 1, joint=True))
-  return tuple(out)
+  return call
 
 
 class _Pass1(NamedTuple):
@@ -179,7 +162,7 @@ def _smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> se
   return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
 
 
-@_per_leaf.traced_once
+@traced_once
 def _pass1(
   o: LambOptions,
   s: StepScalars,
@@ -251,22 +234,22 @@ def _pass1(
 
 
 def _ratios_of(
-  plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1], rows: SliceRows, joint: bool
+  plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1], rows: _sums.SliceRows, joint: bool
 ) -> tuple[jax.Array, list[jax.Array]]:
   """The ratio vector and its per-leaf pieces; where a plain sum is suspect, from the sums at the
   rescue scales: on the CPU computed only then from few operands (the small leaves' rows, the
-  others' new moments and params), each leaf's ratio from its own sums (`_per_leaf`: one
+  others' new moments and params), each leaf's ratio from its own sums (`_sums`: one
   kernel per leaf shape); elsewhere pass 1's sums at both scales (and the rows' at both), chosen
   per slot, the pieces sliced from the vector."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
   o, s = plan.options, plan.scalars
   p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
-  row_sums = rows_sq_sums(rows, layout)
+  row_sums = _sums.rows_sq_sums(rows, layout)
   sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, row_sums)
 
   def on_accelerator() -> tuple:
     slots = layout.offsets[-1]
-    at = lambda scale: rows_sq_sums(rows, layout, [jnp.full(slots, scale, jnp.float32)] * 2)
+    at = lambda scale: _sums.rows_sq_sums(rows, layout, [jnp.full(slots, scale, jnp.float32)] * 2)
     _, down, up = _ratios.opaque_scales()
     row_sums = [(*d, *u) for d, u in zip(at(down), at(up), strict=True)]
     p_down, u_down, p_up, u_up = ([f.scaled and f.scaled[i] for f in firsts] for i in range(4))
@@ -277,7 +260,7 @@ def _ratios_of(
     return vector, layout.pieces(vector)
 
   def on_cpu() -> tuple:
-    p_leaf, u_leaf = _per_leaf.leaf_sums(layout, names, [p_sq, u_sq], rows.members, row_sums)
+    p_leaf, u_leaf = _sums.leaf_sums(layout, names, [p_sq, u_sq], rows.members, row_sums)
     leaf_adapted = [leaf.adapt for leaf in plan.leaves]
 
     def rescued() -> tuple:
@@ -289,13 +272,13 @@ def _ratios_of(
         for leaf, x, f, p_scale, u_scale in zip(plan.leaves, leaves, firsts, *scales, strict=True)
       ]
       slot_scales = [_ratios.rescue_scale(x) for x in sums[:2]]  # the rows' scales, by slot
-      scaled_rows = rows_sq_sums(rows, layout, slot_scales)
-      exact = _per_leaf.leaf_sums(
+      scaled_rows = _sums.rows_sq_sums(rows, layout, slot_scales)
+      exact = _sums.leaf_sums(
         layout, names, [[x[0] for x in scaled], [x[1] for x in scaled]], rows.members, scaled_rows
       )
-      return _per_leaf.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted, (exact[0], exact[1]))
+      return _sums.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted, (exact[0], exact[1]))
 
-    plain = lambda: _per_leaf.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted)
+    plain = lambda: _sums.leaf_ratios(p_leaf, u_leaf, plan.scalars, leaf_adapted)
     pieces = jax.lax.cond(_ratios.needs_rescue(sums.param, sums.update, adapted), rescued, plain)
     return layout.join(pieces), list(pieces)
 
@@ -303,7 +286,7 @@ def _ratios_of(
   return vector, list(pieces)
 
 
-@_per_leaf.traced_once
+@traced_once
 def _scaled_sums(
   o: LambOptions,
   s: StepScalars,
@@ -336,7 +319,7 @@ def _scaled_sums(
   return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k, joint=joint)
 
 
-@_per_leaf.traced_once
+@traced_once
 def _pass2(
   o: LambOptions,
   s: StepScalars,

@@ -1,14 +1,6 @@
-"""Per-leaf work written so that leaves alike share one trace and one compiled kernel.
-
-`traced_once`: a leaf's pass is a jitted function of its arrays and the step's runtime scalars,
-its static facts (options, the leaf's shape and switches, the constant scalars) the cache key, so
-BERT-base's 199 leaves trace about a dozen times, not 199 (jax's trace and lowering were most of
-the step's compile-time excess over optax.lamb: benchmarks/NOTES.md, "Trace time"). XLA inlines
-the calls before it fuses, so the program it compiles is the same.
-
-`leaf_sums`, `leaf_ratios`: the trust ratios as one array per leaf, from each leaf's own sums:
-what pass 2 multiplies by on the CPU, so that the pass-2 fusions of leaves of one shape are one
-kernel to XLA:CPU.
+"""The XLA path's sums and ratios beside its two passes: small leaves' sums from zero-padded
+rows (`slice_rows`, `rows_sq_sums`: XLA:CPU spends about 2 us a call on every reduction), and on
+the CPU each leaf's trust ratios from its own sums (`leaf_sums`, `leaf_ratios`).
 
 XLA:CPU compiles each distinct fusion once (benchmarks/NOTES.md, "Compile time"). A leaf's
 ratio sliced from the ratio vector puts the leaf's offset, a constant, into the fusion that
@@ -20,45 +12,61 @@ concatenation. The values are those of `_ratios.ratio_vector` on the slot vector
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb.core import _ratios
-from optax_lamb.core._options import (
-  LambOptions,
-  RatioLayout,
-  ScalarLayout,
-  StepScalars,
-  replicated,
-)
-from optax_lamb.step._plan import LeafPlan
-
-# A leaf's pass: (options, scalars, leaf, *arrays, **static switches) -> arrays.
-LeafPass = Callable[..., Any]
+from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core._options import RatioLayout, StepScalars, replicated
 
 
-def traced_once(fn: LeafPass) -> LeafPass:
-  """`fn` as one jitted function whose trace leaves alike share: same options, constant
-  scalars, static switches and leaf facts but for the leaf's position (index, ratio offset),
-  same array shapes and dtypes. Runtime scalars and arrays are its operands."""
+class SliceRows(NamedTuple):
+  """Small leaves' slices as zero-padded rows, one group per padded width (`slice_rows`)."""
 
-  @functools.partial(jax.jit, static_argnames=("options", "layout", "leaf", "static"))
-  def run(runtime, arrays, *, options, layout, leaf, static):
-    return fn(options, layout.join(runtime), leaf, *arrays, **dict(static))
+  groups: tuple[tuple[jax.Array, ...], ...]  # per group, per input: [rows, width]
+  members: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # (leaf, stacked shape) per group
 
-  @functools.wraps(fn)
-  def call(o: LambOptions, s: StepScalars, leaf: LeafPlan, *arrays: Any, **static: Any) -> Any:
-    layout, runtime = ScalarLayout.of(s)
-    anywhere = leaf._replace(index=0, ratio_offset=0)  # the position does not enter the pass
-    statics = tuple(sorted(static.items()))
-    return run(runtime, arrays, options=o, layout=layout, leaf=anywhere, static=statics)
 
-  return call
+def slice_rows(xs: dict[int, Any], stacked_axes: dict[int, int]) -> SliceRows:
+  """The slices of small leaves (leaf position: its inputs) as rows in the compute dtype,
+  zero-padded to a power-of-two width, one group per width: XLA:CPU spends about 2 us a call on
+  every reduction, so twenty small leaves take one per width, not one per leaf and input."""
+  by_width: dict[int, list[int]] = {}
+  for i, arrays in xs.items():
+    length = math.prod(jnp.shape(arrays[0])[stacked_axes[i] :])
+    by_width.setdefault(1 << max(length - 1, 0).bit_length(), []).append(i)
+  groups, members = [], []
+  for width, idx in sorted(by_width.items()):
+    padded = [
+      [_padded_rows(xs[i][a], stacked_axes[i], width) for i in idx] for a in range(len(xs[idx[0]]))
+    ]
+    groups.append(tuple(jnp.concatenate(rows) for rows in padded))
+    members.append(tuple((i, tuple(jnp.shape(xs[i][0])[: stacked_axes[i]])) for i in idx))
+  return SliceRows(tuple(groups), tuple(members))
+
+
+def _padded_rows(x: jax.Array, k: int, width: int) -> jax.Array:
+  shape = (math.prod(x.shape[:k]), math.prod(x.shape[k:]))
+  rows = jnp.reshape(x.astype(_leaf.compute_dtype(x.dtype)), shape)
+  return jnp.pad(rows, ((0, 0), (0, width - shape[1])))
+
+
+def rows_sq_sums(
+  rows: SliceRows, layout: RatioLayout, slot_scales: Sequence[jax.Array] = ()
+) -> tuple[tuple[jax.Array, ...], ...]:
+  """Per group, per input, the sums of (x s)^2 over each row: `s` the row's slot's entry of that
+  input's `slot_scales` vector, or 1."""
+  out = []
+  for arrays, members in zip(rows.groups, rows.members, strict=True):
+    slots = np.concatenate([np.arange(*layout.offsets[i : i + 2]) for i, _ in members])
+    scales: list = [x[slots] for x in slot_scales] or [1.0] * len(arrays)
+    terms = tuple(_ratios.squares(a, s) for a, s in zip(arrays, scales, strict=True))
+    out.append(_ratios.small_sums(terms, 1, joint=True))
+  return tuple(out)
 
 
 def leaf_sums(
