@@ -100,6 +100,7 @@ class XlaBackend(fields.Checked):
       _pass2(o, s, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(plan.leaves, leaves, firsts, pieces, strict=True)
     ]
+    seconds = _moments_after_params(plan, seconds)
     out, mu, nu = ([second[i] for second in seconds] for i in range(3))
     return StepResult(out, mu, nu, ratios)
 
@@ -329,7 +330,7 @@ def _pass2(
   ratio,
   *,
   apply: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Any, Any]:
   """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1
   (narrow moments: `_narrow_pass2`; pass 1 only read them, u never sees their rounding)."""
   p, u = x.p, first.u
@@ -348,18 +349,51 @@ def _pass2(
 
 def _narrow_pass2(
   o: LambOptions, s: StepScalars, leaf: LeafPlan, x: LeafArrays, ratio, kept, *, apply: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Any, Any]:
   """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
   update), the moments recomputed from g and the old ones, which pass 1 only read. XLA:CPU
   writes the three in separate fusions that each read the old moments: with `apply` the
-  moments' come after p's (`_moment_storage.zero_after`); the update of ``tx.update`` is written
+  moments' come after p's (`_moments_after_params`); the update of ``tx.update`` is written
   by the caller, so XLA copies the old moments there (docs/memory.md)."""
   # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
   x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   u = _direction(o, s, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
-  if apply and leaf.size:  # g itself, bit for bit, as another expression (no CSE with u's)
-    g = x.g - _moment_storage.zero_after(out, x.g)
-    m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+  if apply and leaf.size:  # the moments after the params: `_moments_after_params`
+    return out, _Later(x), None
   return (out, *_leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay))
+
+
+class _Later(NamedTuple):
+  """A narrow leaf whose moments `_moments_after_params` writes: its arrays past pass 2's barrier."""
+
+  x: LeafArrays
+
+
+def _moments_after_params(plan: StepPlan, seconds: list[tuple]) -> list[tuple]:
+  """Pass 2's results, the moments `_narrow_pass2` left (`_Later`) computed from g - z, z a zero
+  from one conditional on all their leaves' new params (`_moment_storage.zero_after`): each is
+  then written over its old moments after every such leaf's params, no copy (g - 0 is g bit for
+  bit, another expression: no CSE with u's moments). One conditional for the step, not one a
+  leaf: XLA:CPU compiles each conditional's branches on their own, and jax traces each."""
+  later = [i for i, second in enumerate(seconds) if isinstance(second[1], _Later)]
+  if not later:
+    return seconds
+  o, s = plan.options, plan.scalars
+  zero = _moment_storage.zero_after([seconds[i][0] for i in later], seconds[later[0]][1].x.g)
+  seconds = list(seconds)
+  for i in later:
+    out, (x,), _ = seconds[i]
+    seconds[i] = (out, *_moments_from_zero(o, s, plan.leaves[i], x, zero))
+  return seconds
+
+
+@traced_once
+def _moments_from_zero(
+  o: LambOptions, s: StepScalars, leaf: LeafPlan, x: LeafArrays, zero: jax.Array
+) -> tuple[Any, Any]:
+  """A narrow leaf's new moments as stored, from g - `zero` (`_moments_after_params`)."""
+  g = x.g - zero.astype(x.g.dtype)
+  m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+  return _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
