@@ -67,6 +67,9 @@ def _walk(implementation: Any, **kwargs) -> tuple[list[str], collections.Counter
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   jax.jit(tx.update).lower(grads, state, params)  # imports and caches (eval_shape of init)
+  if implementation != "pallas_triton":  # the XLA passes are cached traces (`traced_once`)
+    jax.clear_caches()  # (the Pallas walk keeps its kernels' traces: interpret mode calls a
+    jax.eval_shape(tx.init, params)  # kernel body from common.py, a callback, not a layer)
   files, edges = [], collections.Counter()
 
   def package_file(frame) -> str | None:

@@ -115,7 +115,7 @@ def traced_once(fn: LeafPass) -> LeafPass:
   same array shapes and dtypes. Runtime scalars and arrays are its operands."""
 
   @functools.partial(jax.jit, static_argnames=("options", "layout", "leaf", "static"))
-  def run(runtime, arrays, *, options, layout, leaf, static):
+  def run(runtime, arrays, *, options, layout, leaf, static) -> Any:
     return fn(options, layout.join(runtime), leaf, *arrays, **dict(static))
 
   @functools.wraps(fn)
