@@ -180,12 +180,9 @@ def finite_direction(u, p) -> jax.Array:
   return jnp.logical_and(jnp.isfinite(u), jnp.isfinite(p))
 
 
-def stored_moments(
-  m_c, v_c, m, v, p, o: LambOptions, s: StepScalars, *, decay: bool, ordered: bool = True
-) -> tuple:
+def stored_moments(m_c, v_c, m, v, p, o: LambOptions, s: StepScalars, *, decay: bool) -> tuple:
   """The new moments `m_c`, `v_c` (compute dtype) as stored in the old ones' (`m`, `v`) dtypes;
-  with ``o.finite_guard``, the old values where the direction they give is not finite.
-  ``ordered`` False: 8-bit ones' new scales left to the caller to order (`_moment_storage`)."""
+  with ``o.finite_guard``, the old values where the direction they give is not finite."""
   if o.finite_guard:
     u = adam_direction(m_c, v_c, s)
     u = add_decay(u, p, s.weight_decay) if _decays_in(o, decay, "direction") else u
@@ -194,8 +191,8 @@ def stored_moments(
     v_c = jnp.where(finite, v_c, v.astype(v_c.dtype))
   quantized = _moment_storage.QuantizedMoment
   if isinstance(m, quantized) and isinstance(v, quantized):  # both in one pass
-    return tuple(_moment_storage.store_all([m_c, v_c], [m, v], s.take, ordered=ordered))
-  return stored(m_c, m, s, ordered=ordered), stored(v_c, v, s, ordered=ordered)
+    return tuple(_moment_storage.store_all([m_c, v_c], [m, v], s.take))
+  return stored(m_c, m, s), stored(v_c, v, s)
 
 
 def param_decay(p, s: StepScalars) -> jax.Array:
@@ -256,14 +253,12 @@ def kept(new: jax.Array, old: Any, s: StepScalars) -> jax.Array:
   return jnp.where(jnp.asarray(s.take) != 0, new, old)
 
 
-def stored(
-  moment: jax.Array, old: Any, s: StepScalars, *, one_reduction: bool = True, ordered: bool = True
-) -> Any:
+def stored(moment: jax.Array, old: Any, s: StepScalars, *, one_reduction: bool = True) -> Any:
   """A moment computed in the compute dtype, as stored in `old`'s dtype (kept where skipped);
   quantized where `old` is (its codes and scales kept, bit-identical, where skipped; in a Pallas
   kernel with `one_reduction` False: `_moment_storage.store`)."""
   if isinstance(old, _moment_storage.QuantizedMoment):
-    return _moment_storage.store(moment, old, s.take, one_reduction=one_reduction, ordered=ordered)
+    return _moment_storage.store(moment, old, s.take, one_reduction=one_reduction)
   return kept(moment.astype(old.dtype), old, s)
 
 

@@ -93,21 +93,16 @@ def load(stored: Any, dtype: Any) -> jax.Array:
   return stored.astype(dtype)
 
 
-def store(
-  moment: jax.Array, old: Any, take: Any = None, *, one_reduction: bool = True, ordered: bool = True
-) -> Any:
+def store(moment: jax.Array, old: Any, take: Any = None, *, one_reduction: bool = True) -> Any:
   """`moment` (compute dtype) stored like `old`: quantized from its unrounded values, or cast;
   `old` itself (every array of it, bit-identical) where `take` is 0 (a skipped step).
   `one_reduction`: False in a Pallas kernel (`_quantize.quantize`; the same codes and scales)."""
-  return store_all([moment], [old], take, one_reduction=one_reduction, ordered=ordered)[0]
+  return store_all([moment], [old], take, one_reduction=one_reduction)[0]
 
 
-def store_all(
-  moments: list, olds: list, take: Any = None, *, one_reduction: bool = True, ordered: bool = True
-) -> list:
+def store_all(moments: list, olds: list, take: Any = None, *, one_reduction: bool = True) -> list:
   """`store` of each moment like its old one; those stored quantized (one shape: a leaf's m and
-  v) from one reduction of their block scales (`_quantize.quantize_all`). ``ordered`` False: the
-  caller orders the new scales after the codes itself (`order_scales`, once for many leaves)."""
+  v) from one reduction of their block scales (`_quantize.quantize_all`)."""
   pairs = list(zip(moments, olds, strict=True))
   xs = [jax.lax.stop_gradient(m) for m, o in pairs if is_quantized(o)]  # integer codes: no
   maps = [signed(o) for o in olds if is_quantized(o)]  # derivative flows into them
@@ -117,20 +112,13 @@ def store_all(
     keep = jnp.asarray(take) != 0
     where = lambda n, o: jnp.where(keep, n, o)
     new = [jax.tree.map(where, x, old) for x, old in zip(new, olds, strict=True)]
-  return order_scales(new) if xs and one_reduction and ordered else new
-
-
-def order_scales(new: list) -> list:
-  """`new` (stored moments, of one leaf or many) with each quantized one's scales defined after
-  every quantized one's codes. For XLA: decoding the old codes reads the old scales; the new
-  scales, defined after the new codes (one conditional for all), are written over them in place
-  (defined before, XLA would copy the old ones). One conditional for all the step's leaves, not
-  one a leaf: XLA:CPU's passes slow down with every conditional (benchmarks/NOTES.md)."""
-  written = [x for x in new if is_quantized(x)]
-  if not written:
-    return new
-  zero = zero_after([x.codes for x in written], written[0].scales)
-  return [x._replace(scales=x.scales + zero) if is_quantized(x) else x for x in new]
+  if xs and one_reduction:  # XLA: decoding the old codes reads the old scales; the new
+    # scales, defined after the new codes (one conditional for all), are written over them in
+    # place (defined before, XLA would copy the old ones)
+    written = [x for x in new if is_quantized(x)]
+    zero = zero_after([x.codes for x in written], written[0].scales)
+    new = [x._replace(scales=x.scales + zero) if is_quantized(x) else x for x in new]
+  return new
 
 
 def zero_after(p: jax.Array | list[jax.Array], g: jax.Array) -> jax.Array:

@@ -93,7 +93,7 @@ class XlaBackend(fields.Checked):
       _pass2(plan, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(plan.leaves, leaves, firsts, pieces, strict=True)
     ]
-    out, mu, nu = ([second[i] for second in _quantized_moments(plan, seconds)] for i in range(3))
+    out, mu, nu = ([second[i] for second in seconds] for i in range(3))
     return StepResult(out, mu, nu, ratios)
 
 
@@ -325,7 +325,7 @@ def _scaled_sums(
 
 def _pass2(
   plan: StepPlan, leaf: LeafPlan, x: LeafArrays, first: _Pass1, ratio, *, apply: bool
-) -> tuple[jax.Array, jax.Array, jax.Array] | _Quantized:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The update (or new params) of one leaf and its moments as stored, from the ratio and pass 1
   (narrow moments: `_narrow_pass2`; pass 1 only read them, u never sees their rounding)."""
   o, s = plan.options, plan.scalars
@@ -343,62 +343,21 @@ def _pass2(
   return _leaf.update(u, p, ratio, o, s, apply=apply, decay=leaf.decay), first.m, first.v
 
 
-class _Quantized(NamedTuple):
-  """Pass 2 of a leaf with 8-bit moments before its moments (`_quantized_moments`): the update
-  (or new params) and what the moments are computed from (behind pass 2's barrier)."""
-
-  out: jax.Array
-  x: LeafArrays
-  moments: tuple[jax.Array, jax.Array] | None  # m, v computed (None: recomputed after `out`)
-
-
 def _narrow_pass2(
   plan: StepPlan, leaf: LeafPlan, x: LeafArrays, ratio, kept, *, apply: bool
-) -> tuple[jax.Array, jax.Array, jax.Array] | _Quantized:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pass 2 of a leaf whose moments are stored narrower than computed: m, v and p (or the
   update), the moments recomputed from g and the old ones, which pass 1 only read. XLA:CPU
   writes the three in separate fusions that each read the old moments: with `apply` the
   moments' come after p's (`_moment_storage.zero_after`); the update of ``tx.update`` is written
-  by the caller, so XLA copies the old moments there (docs/memory.md). 8-bit moments: left to
-  `_quantized_moments` (`_Quantized`)."""
+  by the caller, so XLA copies the old moments there (docs/memory.md)."""
   o, s = plan.options, plan.scalars
   # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
   x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   u = _direction(plan, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
-  recompute = apply and leaf.size
-  if any(_moment_storage.is_quantized(y) for y in (x.m, x.v)):
-    return _Quantized(out, x, None if recompute else (m_c, v_c))
-  if recompute:  # g itself, bit for bit, as another expression (no CSE with u's)
+  if apply and leaf.size:  # g itself, bit for bit, as another expression (no CSE with u's)
     g = x.g - _moment_storage.zero_after(out, x.g)
     m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   return (out, *_leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay))
-
-
-def _quantized_moments(plan: StepPlan, seconds: list) -> list[tuple]:
-  """Every leaf's (out, m, v): the 8-bit leaves' moments computed after every such leaf's
-  `out` is written (where recomputed) and their new scales defined after every leaf's new codes,
-  one conditional for each order (`_moment_storage.zero_after`, `order_scales`), not one a leaf:
-  XLA:CPU's passes slow down with every conditional (benchmarks/NOTES.md)."""
-  at = [i for i, second in enumerate(seconds) if isinstance(second, _Quantized)]
-  if not at:
-    return seconds
-  o, s = plan.options, plan.scalars
-  later = [seconds[i] for i in at if seconds[i].moments is None]
-  zero = _moment_storage.zero_after([q.out for q in later], later[0].x.g) if later else 0
-  stored = []
-  for i in at:
-    q, leaf = seconds[i], plan.leaves[i]
-    x = q.x
-    if q.moments is not None:
-      m_c, v_c = q.moments
-    else:  # g itself, bit for bit, as another expression (no CSE with u's)
-      g = x.g - jnp.asarray(zero, x.g.dtype)
-      m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
-    stored += _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay, ordered=False)
-  ordered = iter(_moment_storage.order_scales(stored))
-  out = list(seconds)
-  for i in at:
-    out[i] = (seconds[i].out, next(ordered), next(ordered))
-  return out
