@@ -44,6 +44,7 @@ them).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -275,6 +276,13 @@ def quantize_all(
   """`quantize` of each of ``xs`` (one shape), their scales from one reduction: a leaf's two
   moments in one pass over memory and no per-block flags (the XLA step's store)."""
   _check(xs[0].shape, block_size)
+  return _quantized(xs, signed=tuple(signed), block_size=block_size, one_reduction=one_reduction)
+
+
+# Jitted: traced once per leaf shape, not at every call (a step quantizes every 8-bit leaf, and
+# the trace of the code map's arithmetic was most of the 8-bit step's; benchmarks/NOTES.md).
+@functools.partial(jax.jit, static_argnames=("signed", "block_size", "one_reduction"))
+def _quantized(xs: list, *, signed: tuple, block_size: int, one_reduction: bool) -> list:
   xs = [x.astype(jnp.float32) for x in xs]
   scales = _block_scales(xs, block_size, one_reduction)
   return [
@@ -295,6 +303,12 @@ def dequantize(
       f"{block_size=}: expected codes {jnp.dtype(expected)} and scales "
       f"{scales_shape(codes.shape, block_size)}"
     )
+  return _decoded(codes, scales, signed=signed, block_size=block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("signed", "block_size"))
+def _decoded(codes: jax.Array, scales: jax.Array, *, signed: bool, block_size: int) -> jax.Array:
+  """`decode` of each element with its block's scale; jitted as `_quantized` is."""
   return decode(codes, _per_element(scales, codes.shape[-1], block_size), signed=signed)
 
 
