@@ -12,9 +12,10 @@ when used), whose step `per_device` runs on each device's shards under
 ``jax.jit`` (a ``pallas_call`` is opaque to XLA's partitioner). A configured
 instance may be passed as ``lamb(..., implementation=backend)``.
 
-A backend imports only `optax_lamb.core` (and `optax_lamb._interop`); the registry loads
-each by its module's name (``_LOADERS``), so the step does not import the backends. The XLA
-backend, which runs everywhere, is imported with the package (here).
+A backend imports `optax_lamb.core`, the plan's types (`optax_lamb.step._plan`) and
+`optax_lamb._interop`; the registry loads each by its module's name (``_LOADERS``), so the step
+does not import the backends, and ``auto`` imports no GPU backend where jax's default backend is
+not a GPU. The XLA backend, which runs everywhere, is imported with the package (here).
 """
 
 from optax_lamb.backends import xla as xla
