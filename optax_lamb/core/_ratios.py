@@ -1,15 +1,14 @@
 """The trust ratio over a tree, in one place: norm sums from a leaf's chunks, their sums over
 mapped axes and stacked slices, the ratio vector and its layout (the clipping norm: `_plan`).
 
-Squared norms are accumulated in float32 (at least). A float32 sum of squares
-overflows for elements near 1e19 and underflows for elements near 1e-19; the
-same sum of (x s)^2 for s = 2^-80 (`DOWN`) stays finite for every float32 x, and
-for s = 2^64 (`UP`) keeps every normal x's square normal. `norm_from_sums` takes
-the plain sum unless it is `suspect`, then the scaled one: on the CPU computed only then
-(``lax.cond``); on other platforms, as by the Pallas kernels, all three in one pass (a
-conditional costs a GPU a host round trip: `per_platform`). A leaf sharded in
-``shard_map``/``pmap`` has its sums ``psum``'d over its axis names, one ``psum`` per name. A
-tree's ratios live in one vector (a slot per leaf or stacked slice), laid out by `RatioLayout`.
+Squared norms are accumulated in float32 (at least). A float32 sum of squares overflows for elements
+near 1e19 and underflows for elements near 1e-19; the same sum of (x s)^2 for s = 2^-80 (`DOWN`)
+stays finite for every float32 x, and for s = 2^64 (`UP`) keeps every normal x's square normal.
+`norm_from_sums` takes the plain sum unless it is `suspect`, then the scaled one: on the CPU
+computed only then (``lax.cond``); on other platforms, as by the Pallas kernels, all three in one
+pass (a conditional costs a GPU a host round trip: `per_platform`). A leaf sharded in
+``shard_map``/``pmap`` has its sums ``psum``'d over its axis names, one ``psum`` per name. A tree's
+ratios live in one vector (a slot per leaf or stacked slice), laid out by `RatioLayout`.
 """
 
 from __future__ import annotations
@@ -370,17 +369,17 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
   """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
   every finite input. CPU: the plain sum, or where it overflowed (computed only then) the sum at
   `DOWN` (small leaves on one device: `small_sums`); elsewhere the sums at `SCALES` in one
-  reduction per leaf, no conditional (`norm_from_sums`)."""
+  reduction per leaf, no conditional (`norm_from_sums`); a leaf's sums: jitted, traced per shape."""
   joint = [name is None and one_device() for name in names]
+  sq_of = jax.jit(sq_norm, static_argnames=("stacked_axes", "joint"))
 
   def total(scale: float) -> jax.Array:
     by_name: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
     for x, name, j in zip(leaves, names, joint, strict=True):
-      s: Any = scale
       if scale != 1.0:  # in the conditional's branch, where x is already a buffer: free
         # Each leaf's own scale: XLA:CPU stored one shared broadcast (NOTES.md, 2026-11-28).
         s, x = jax.lax.optimization_barrier((jnp.asarray(scale, jnp.float32), x))
-      sq = sq_norm(x, joint=j, scale=s)
+      sq = sq_of(x, joint=j, scale=s) if scale != 1.0 else sq_of(x, joint=j)
       by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
     return sum((_options.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
 
@@ -391,9 +390,10 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
 
   def on_accelerator() -> jax.Array:
     by_name: dict[Any, jax.Array] = {}
-    scales, zeros = opaque_scales(), jnp.zeros(3, jnp.float32)
+    (_, *scales), zeros = opaque_scales(), jnp.zeros(3, jnp.float32)
+    sums = jax.jit(lambda x, *s: jnp.stack(leaf_sq_sums(x, scales=(1.0, *s))))
     for x, name in zip(leaves, names, strict=True):
-      by_name[name] = by_name.get(name, zeros) + jnp.stack(leaf_sq_sums(x, scales=scales))
+      by_name[name] = by_name.get(name, zeros) + sums(x, *scales)
     plain, down, up = sum((_options.psum_if(t, n) for n, t in by_name.items()), zeros)
     return norm_from_sums(plain, chosen_scaled(plain, down, up))
 

@@ -233,16 +233,21 @@ def _peak(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jax.lax.reduce((jnp.abs(g), jnp.isnan(g)), init, combine, axes)
 
 
+def _too_large(g: jax.Array, factor: Any, limit: float) -> jax.Array:
+  """Whether g times the clip `factor` (None: 1) holds a NaN or an |element| not below `limit`."""
+  peak, nan = _peak(g)
+  if factor is not None:
+    peak = peak * factor
+  return jnp.logical_or(nan, jnp.logical_not(peak < limit))
+
+
 def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list) -> jax.Array:
   """Whether every gradient times the clip `factor` is finite and below its leaf's second
   moment's `_leaf.overflow_threshold`: the largest |g| of each leaf, one reduction over the
-  gradients, agreed over the mapped axes (a NaN counts as too large)."""
-  flags = []
-  for g, limit in zip(grads, thresholds, strict=True):
-    peak, nan = _peak(g)
-    if factor is not None:
-      peak = peak * factor
-    flags.append(jnp.logical_or(nan, jnp.logical_not(peak < limit)))
+  gradients, agreed over the mapped axes (a NaN counts as too large). Each leaf's flag is a call
+  of one jitted function, traced and lowered once per leaf shape, not once per leaf."""
+  flag = jax.jit(_too_large, static_argnums=2)
+  flags = [flag(g, factor, limit) for g, limit in zip(grads, thresholds, strict=True)]
   # Counted by one reduction: a chain of per-leaf adds would be copied by XLA into every fusion
   # that reads the decision (each leaf's), a program quadratic in the number of leaves.
   bad = jnp.sum(jnp.stack(flags).astype(jnp.int32)) if flags else jnp.zeros((), jnp.int32)
