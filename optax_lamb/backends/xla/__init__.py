@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -85,7 +83,7 @@ class XlaBackend(fields.Checked):
     """One lamb step in two passes per adapted leaf (one pass for the others)."""
     joint = _ratios.one_device() if self.joint_small_sums is None else self.joint_small_sums
     rows_on = joint and all(name is None for name in plan.leaf_names)  # psums per leaf
-    kept = _smallest_within(plan.leaves, self.materialize_u_max_size, rows_on)
+    kept = _sums.smallest_within(plan.leaves, self.materialize_u_max_size, rows_on)
     auto_chunks = _chunked_sums.CHUNK_ELEMENTS if joint and _ratios.column_blocks("cpu") else 0
     chunks = auto_chunks if self.chunked_sums is None else self.chunked_sums
     o, s = plan.options, plan.scalars
@@ -114,8 +112,8 @@ def traced_once(fn: LeafPass) -> LeafPass:
   scalars, static switches and leaf facts but for the leaf's position (index, ratio offset),
   same array shapes and dtypes. Runtime scalars and arrays are its operands."""
 
-  @functools.partial(jax.jit, static_argnames=("options", "layout", "leaf", "static"))
-  def run(runtime, arrays, *, options, layout, leaf, static) -> Any:
+  @functools.partial(jax.jit, static_argnames=("options", "layout", "leaf", "static", "knobs"))
+  def run(runtime, arrays, *, options, layout, leaf, static, knobs) -> Any:
     return fn(options, layout.join(runtime), leaf, *arrays, **dict(static))
 
   @functools.wraps(fn)
@@ -123,7 +121,16 @@ def traced_once(fn: LeafPass) -> LeafPass:
     layout, runtime = ScalarLayout.of(s)
     anywhere = leaf._replace(index=0, ratio_offset=0)  # the position does not enter the pass
     statics = tuple(sorted(static.items()))
-    return run(runtime, arrays, options=o, layout=layout, leaf=anywhere, static=statics)
+    # What the passes read besides their arguments (tests set the first two): part of the key.
+    knobs = (
+      _ratios.NORM_BLOCKS,
+      _ratios.PLATFORM_BRANCH,
+      jax.default_backend(),
+      jax.device_count(),
+    )
+    return run(
+      runtime, arrays, options=o, layout=layout, leaf=anywhere, static=statics, knobs=knobs
+    )
 
   return call
 
@@ -148,19 +155,6 @@ def _direction(
   """u from the moments (`_leaf.direction`); with caution, masked by the moments' gradient."""
   g = _leaf.moment_gradient(x.g, x.p, o, s, decay=leaf.decay) if o.caution else None
   return _leaf.direction(m, v, p, o, s, decay=leaf.decay, dtype=x.g.dtype, g=g, kept=kept)
-
-
-def _smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> set[int]:
-  """The indices of the smallest leaves whose sizes (with `rows`: as `slice_rows` pads them)
-  add up to at most `total`."""
-  padded = lambda leaf: (
-    math.prod(leaf.shape[: leaf.stacked_axes])
-    << max(math.prod(leaf.shape[leaf.stacked_axes :]) - 1, 0).bit_length()
-  )  # as in `slice_rows`
-  sizes = {leaf.index: padded(leaf) if rows else leaf.size for leaf in leaves}
-  order = sorted(sizes, key=sizes.__getitem__)
-  used = itertools.accumulate(sizes[i] for i in order)
-  return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
 
 
 @traced_once

@@ -12,6 +12,7 @@ concatenation. The values are those of `_ratios.ratio_vector` on the slot vector
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ import numpy as np
 
 from optax_lamb.core import _leaf, _ratios
 from optax_lamb.core._options import RatioLayout, StepScalars, replicated
+from optax_lamb.step._plan import LeafPlan
 
 
 class SliceRows(NamedTuple):
@@ -133,3 +135,16 @@ def leaf_ratios(
 
 def _slot_sums(p: jax.Array, u: jax.Array, *scaled: jax.Array) -> _ratios.SlotSums:
   return _ratios.SlotSums(p, u, (scaled[0], scaled[1]) if scaled else None)
+
+
+def smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> set[int]:
+  """The indices of the smallest leaves whose sizes (with `rows`: as `slice_rows` pads them)
+  add up to at most `total`."""
+  padded = lambda leaf: (
+    math.prod(leaf.shape[: leaf.stacked_axes])
+    << max(math.prod(leaf.shape[leaf.stacked_axes :]) - 1, 0).bit_length()
+  )  # as in `slice_rows`
+  sizes = {leaf.index: padded(leaf) if rows else leaf.size for leaf in leaves}
+  order = sorted(sizes, key=sizes.__getitem__)
+  used = itertools.accumulate(sizes[i] for i in order)
+  return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
