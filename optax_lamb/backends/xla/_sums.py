@@ -144,7 +144,7 @@ def smallest_within(leaves: tuple[LeafPlan, ...], total: int, rows: bool) -> set
     math.prod(leaf.shape[: leaf.stacked_axes])
     << max(math.prod(leaf.shape[leaf.stacked_axes :]) - 1, 0).bit_length()
   )  # as in `slice_rows`
-  sizes = {leaf.index: padded(leaf) if rows else leaf.size for leaf in leaves}
+  sizes = {leaf.index: padded(leaf) if rows else math.prod(leaf.shape) for leaf in leaves}
   order = sorted(sizes, key=sizes.__getitem__)
   used = itertools.accumulate(sizes[i] for i in order)
   return set(order[: sum(1 for _ in itertools.takewhile(lambda n: n <= total, used))])
