@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 
 if not __package__:  # run as a file: import from the repository root, not from benchmarks/
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,9 +91,13 @@ def _summary(runs: list[dict]) -> dict:
   return out
 
 
-def compare(ref: str, configs: list[str], tree: str, rounds: int, steps: int) -> dict:
-  """Both versions' figures per configuration, and the ratios (this checkout over `ref`)."""
+def compare(
+  ref: str, configs: list[str], tree: str, rounds: int, steps: int, done: Callable = print
+) -> dict:
+  """Both versions' figures per configuration, and the ratios (this checkout over `ref`);
+  `done(results)` after each round (a stopped run keeps the rounds it finished)."""
   runs: dict = {c: {ref: [], THIS: []} for c in configs}
+  out: dict = {}
   with tempfile.TemporaryDirectory() as tmp:
     paths = {ref: _extract(ref, tmp), THIS: ROOT}
     for round_ in range(rounds):
@@ -106,12 +111,15 @@ def compare(ref: str, configs: list[str], tree: str, rounds: int, steps: int) ->
             f"step {r['step_ms']:.1f} ms",
             flush=True,
           )
-  out = {}
-  for config, by_version in runs.items():
-    old, new = _summary(by_version[ref]), _summary(by_version[THIS])
-    ratio = {k: new[k] / old[k] for k in ("total_s", "compile_s", "trace_s", "step_ms")}
-    out[config] = {ref: old, THIS: new, "ratio": ratio}
+      out = {config: _compared(by_version, ref) for config, by_version in runs.items()}
+      done(out)
   return out
+
+
+def _compared(by_version: dict, ref: str) -> dict:
+  old, new = _summary(by_version[ref]), _summary(by_version[THIS])
+  ratio = {k: new[k] / old[k] for k in ("total_s", "compile_s", "trace_s", "step_ms")}
+  return {ref: old, THIS: new, "ratio": ratio}
 
 
 def table(results: dict, ref: str) -> str:
@@ -156,12 +164,17 @@ def main(argv: list[str] | None = None) -> dict:
     "versions": machine.versions(),
     "date": datetime.date.today().isoformat(),
     "tree": args.tree,
-    "configurations": compare(args.ref, args.configurations, args.tree, args.rounds, args.steps),
+    "steps": args.steps,
   }
+
+  def done(compared: dict) -> None:
+    results["configurations"] = compared
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+  compare(args.ref, args.configurations, args.tree, args.rounds, args.steps, done)
   print(table(results["configurations"], args.ref))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
   return results
 
 

@@ -155,3 +155,17 @@ def test_failing_implementations_are_recorded_and_the_others_still_timed(monkeyp
   for impl in ("optax_lamb.lamb", "optax.lamb"):
     assert "error" not in results[impl], impl
     assert len(results[impl]["times_ms"]) == 2 and results[impl]["device_ms"] > 0, impl
+
+
+def test_versus_compares_an_earlier_commit_with_this_checkout(tmp_path):
+  """benchmarks.versus measures both packages (each from its own folder) and records the ratios
+  of their medians; HEAD against itself here (the figures, not their values, are checked)."""
+  versus = _benchmarks_module("versus")
+  out = tmp_path / "versus.json"
+  args = ["--ref", "HEAD", "--tree", "bert-tiny", "--configurations", "lamb", "--rounds", "1"]
+  versus.main([*args, "--steps", "1", "--json", str(out)])
+  results = json.loads(out.read_text())["configurations"]["lamb"]
+  old, new = results["HEAD"], results[versus.THIS]
+  assert old["rounds"]["step_ms"] and new["rounds"]["step_ms"]
+  for key, ratio in results["ratio"].items():
+    assert ratio == pytest.approx(new[key] / old[key])
