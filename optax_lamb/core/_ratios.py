@@ -388,13 +388,19 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
     rescued = lambda: safe_sqrt(total(DOWN)) / DOWN
     return jax.lax.cond(jnp.isinf(sq), rescued, lambda: safe_sqrt(sq))
 
-  def on_accelerator() -> jax.Array:
-    by_name: dict[Any, jax.Array] = {}
-    (_, *scales), zeros = opaque_scales(), jnp.zeros(3, jnp.float32)
-    sums = jax.jit(lambda x, *s: jnp.stack(leaf_sq_sums(x, scales=(1.0, *s))))
-    for x, name in zip(leaves, names, strict=True):
-      by_name[name] = by_name.get(name, zeros) + sums(x, *scales)
-    plain, down, up = sum((_options.psum_if(t, n) for n, t in by_name.items()), zeros)
-    return norm_from_sums(plain, chosen_scaled(plain, down, up))
+  return jax.lax.platform_dependent(
+    **per_platform(on_cpu, lambda: one_pass_global_norm(leaves, names))
+  )
 
-  return jax.lax.platform_dependent(**per_platform(on_cpu, on_accelerator))
+
+def one_pass_global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
+  """`global_norm` with no conditional: each leaf's sums at `SCALES` in one reduction
+  (`leaf_sq_sums`: no copy of a leaf), psum'd per name, the rescued sum taken where the plain
+  one is `suspect`. What an accelerator computes, and skip_spikes' norm on every platform."""
+  by_name: dict[Any, jax.Array] = {}
+  (_, *scales), zeros = opaque_scales(), jnp.zeros(3, jnp.float32)
+  sums = jax.jit(lambda x, *s: jnp.stack(leaf_sq_sums(x, scales=(1.0, *s))).astype(jnp.float32))
+  for x, name in zip(leaves, names, strict=True):
+    by_name[name] = by_name.get(name, zeros) + sums(x, *scales)
+  plain, down, up = sum((_options.psum_if(t, n) for n, t in by_name.items()), zeros)
+  return norm_from_sums(plain, chosen_scaled(plain, down, up))

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from optax_lamb import _nnx
-from optax_lamb.core import _options, _ratios
+from optax_lamb.core import _ratios
 from optax_lamb.core._config import PerLeafAxisNames
 from optax_lamb.core._options import Scalar
 from optax_lamb.faults import _checks
@@ -155,24 +155,6 @@ def _above(
   return jnp.logical_and(steps >= rule.warmup_steps, x > factor * average)
 
 
-def _global_norm(leaves: list, names: list) -> jax.Array:
-  """The norm of all `leaves` (psum'd over their axis names), right for every finite input, in
-  one blocked pass (`_ratios.leaf_sq_sums`: no copy of a leaf, no conditional): the plain sum
-  of squares, or where it overflowed or may have underflowed, the sum scaled down or up."""
-  totals: dict[Any, jax.Array] = {}
-  for x, name in zip(leaves, names, strict=True):
-    sums = jnp.stack(_ratios.leaf_sq_sums(x, scales=_ratios.SCALES)).astype(jnp.float32)
-    totals[name] = totals.get(name, jnp.zeros(3, jnp.float32)) + sums
-  total = sum((_options.psum_if(t, n) for n, t in totals.items()), jnp.zeros(3, jnp.float32))
-  plain, down, up = total[0], total[1], total[2]
-  rescued = jnp.where(
-    jnp.isinf(plain),
-    _ratios.safe_sqrt(down) / _ratios.DOWN,
-    _ratios.safe_sqrt(up) / _ratios.UP,
-  )
-  return jnp.where(_ratios.suspect(plain), rescued, _ratios.safe_sqrt(plain))
-
-
 def judge(
   rule: SpikeRule,
   state: Any,
@@ -192,7 +174,7 @@ def judge(
   if clip_norm:
     norm = _ratios.global_norm(leaves, names).astype(jnp.float32)
   else:
-    norm = _global_norm(leaves, names)
+    norm = _ratios.one_pass_global_norm(leaves, names)
   if grad_scale is not None:
     norm = norm / jnp.asarray(grad_scale, jnp.float32)
   spike = _above(norm, state.norm_average, state.norm_steps, rule, rule.factor)
