@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core import _leaf, _options, _ratios
 from optax_lamb.core._config import PerLeafMask
 from optax_lamb.faults import _check_args, _checks
 
@@ -104,7 +104,7 @@ def keras_clipping(
         for g, k, n in zip(leaves, axes, names, strict=True)
       ]
       factors = [
-        _leaf.clip_factor(_ratios.safe_sqrt(s), clipnorm) for s in _ratios.psum_by_name(sq, names)
+        _leaf.clip_factor(_ratios.safe_sqrt(s), clipnorm) for s in _options.psum_by_name(sq, names)
       ]
       grads = treedef.unflatten(
         [_leaf.clip(g, _leaf.broadcast_ratio(f, g)) for g, f in zip(leaves, factors, strict=True)]

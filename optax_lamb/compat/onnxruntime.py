@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from optax_lamb.compat import _common
-from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core import _leaf, _options, _ratios
 from optax_lamb.core._config import PerLeafAxes, PerLeafAxisNames, PerLeafMask
 from optax_lamb.faults import _check_args, _checks
 from optax_lamb.step._registry import Implementation
@@ -256,7 +256,7 @@ def _global_clip(clip: Any, axis_name: Any) -> Any:
 
     def nonfinite() -> jax.Array:  # ORT's sum of squares: inf with an inf element, NaN with a NaN
       sums = [jnp.sum(jnp.where(jnp.isfinite(g), 0, jnp.square(g))) for g in leaves]
-      return sum(_ratios.psum_by_name(sums, names), jnp.zeros((), norm.dtype))
+      return sum(_options.psum_by_name(sums, names), jnp.zeros((), norm.dtype))
 
     # The norm is NaN for any non-finite element (its rescue divides inf by inf): then ORT's.
     # Off the CPU computed always and selected (a conditional: a host round trip on a GPU).

@@ -274,6 +274,21 @@ def psum_if(x: jax.Array, axis_name: AxisNames) -> jax.Array:
   return x if axis_name is None else jax.lax.psum(x, axis_name)
 
 
+def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.Array]:
+  """Each piece summed over its own axis names (None: not sharded): one psum per distinct name,
+  over the pieces of that name concatenated (a replicated piece stays replicated)."""
+  out = list(pieces)
+  for name in dict.fromkeys(names):
+    if name is None:
+      continue
+    idx = [i for i, n in enumerate(names) if n == name]
+    sizes = [math.prod(jnp.shape(pieces[i])) for i in idx]
+    summed = jax.lax.psum(jnp.concatenate([jnp.ravel(pieces[i]) for i in idx]), name)
+    for i, a, b in zip(idx, np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes), strict=True):
+      out[i] = jnp.reshape(summed[a:b], jnp.shape(pieces[i]))
+  return out
+
+
 def same_kind(got: np.dtype, want: Any) -> bool:
   """Whether a state leaf's dtype `got` is what init gives (`want`)."""
   if jnp.issubdtype(want, jnp.integer):  # step counts: any integer width (a restore may widen)

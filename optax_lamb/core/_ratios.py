@@ -244,21 +244,6 @@ def needs_rescue(param_sq: jax.Array, update_sq: jax.Array, adapted: Sequence[bo
   return jnp.any(jnp.logical_and(flagged, np.asarray(adapted, bool)))
 
 
-def psum_by_name(pieces: Sequence[jax.Array], names: Sequence[Any]) -> list[jax.Array]:
-  """Each piece summed over its own axis names (None: not sharded): one psum per distinct name,
-  over the pieces of that name concatenated (a replicated piece stays replicated)."""
-  out = list(pieces)
-  for name in dict.fromkeys(names):
-    if name is None:
-      continue
-    idx = [i for i, n in enumerate(names) if n == name]
-    sizes = [math.prod(jnp.shape(pieces[i])) for i in idx]
-    summed = jax.lax.psum(jnp.concatenate([jnp.ravel(pieces[i]) for i in idx]), name)
-    for i, a, b in zip(idx, np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes), strict=True):
-      out[i] = jnp.reshape(summed[a:b], jnp.shape(pieces[i]))
-  return out
-
-
 def caution_fraction(
   u, g, stacked_axes: int = 0, axis_name: AxisNames = None, joint: bool = False
 ) -> jax.Array:
@@ -293,7 +278,7 @@ def _joined(
   members = [m for group in rows for m in group]
   if not members:
     n = len(names)
-    flat = psum_by_name([x for sums in lists for x in sums], list(names) * len(lists))
+    flat = _options.psum_by_name([x for sums in lists for x in sums], list(names) * len(lists))
     return [layout.join(flat[i * n : (i + 1) * n]) for i in range(len(lists))]
   # No psum: each vector is one concatenation, reordered (one gather), not a piece per leaf.
   others = [i for i in range(len(names)) if i not in {j for j, _ in members}]
@@ -397,9 +382,10 @@ def one_pass_global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> j
   """`global_norm` with no conditional: each leaf's sums at `SCALES` in one reduction
   (`leaf_sq_sums`: no copy of a leaf), psum'd per name, the rescued sum taken where the plain
   one is `suspect`. What an accelerator computes, and skip_spikes' norm on every platform."""
-  by_name: dict[Any, jax.Array] = {}
-  (_, *scales), zeros = opaque_scales(), jnp.zeros(3, jnp.float32)
-  sums = jax.jit(lambda x, *s: jnp.stack(leaf_sq_sums(x, scales=(1.0, *s))).astype(jnp.float32))
+  by_name: dict[Any, jax.Array] = {}  # in the leaves' widest compute dtype, as on the CPU
+  dtype = jnp.result_type(*(compute_dtype(x.dtype) for x in leaves))
+  (_, *scales), zeros = opaque_scales(), jnp.zeros(3, dtype)
+  sums = jax.jit(lambda x, *s: jnp.stack(leaf_sq_sums(x, scales=(1.0, *s))).astype(dtype))
   for x, name in zip(leaves, names, strict=True):
     by_name[name] = by_name.get(name, zeros) + sums(x, *scales)
   plain, down, up = sum((_options.psum_if(t, n) for n, t in by_name.items()), zeros)

@@ -171,10 +171,8 @@ def judge(
   two norms side by side made XLA:CPU copy the gradients)."""
   names, axes = _axes(axis_name, grads)
   leaves = jax.tree.leaves(grads)
-  if clip_norm:
-    norm = _ratios.global_norm(leaves, names).astype(jnp.float32)
-  else:
-    norm = _ratios.one_pass_global_norm(leaves, names)
+  norm_of = _ratios.global_norm if clip_norm else _ratios.one_pass_global_norm
+  norm = norm_of(leaves, names).astype(jnp.float32)
   if grad_scale is not None:
     norm = norm / jnp.asarray(grad_scale, jnp.float32)
   spike = _above(norm, state.norm_average, state.norm_steps, rule, rule.factor)

@@ -274,10 +274,10 @@ def _ratio_vector(kernels: KernelSet, plan: StepPlan, launches: list[Table], par
 
 
 def _psum_slots(x: jax.Array, slot_names: list) -> jax.Array:
-  """`_ratios.psum_by_name` over the entries of one vector, each entry with its own axis names."""
+  """`_options.psum_by_name` over the entries of one vector, each entry with its own axis names."""
   names = list(dict.fromkeys(slot_names))
   if len(names) <= 1:
     return _options.psum_if(x, names[0] if names else None)
   groups = [np.array([i for i, n in enumerate(slot_names) if n == name]) for name in names]
-  summed = _ratios.psum_by_name([x[g] for g in groups], names)
+  summed = _options.psum_by_name([x[g] for g in groups], names)
   return jnp.concatenate(summed)[np.argsort(np.concatenate(groups))]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lamb.core import _leaf, _ratios
+from optax_lamb.core import _leaf, _options, _ratios
 from optax_lamb.core._options import RatioLayout, StepScalars, replicated
 from optax_lamb.step._plan import LeafPlan
 
@@ -83,7 +83,7 @@ def leaf_sums(
   members = {i: (g, shape) for g, group in enumerate(rows) for i, shape in group}
   if not members:
     n = len(names)
-    flat = _ratios.psum_by_name([x for sums in lists for x in sums], list(names) * len(lists))
+    flat = _options.psum_by_name([x for sums in lists for x in sums], list(names) * len(lists))
     per_list = [flat[k * n : (k + 1) * n] for k in range(len(lists))]
     return [_in_one_dtype([replicated(x) for x in xs]) for xs in per_list]
   starts: dict[int, int] = {}  # a member's first row in its group
