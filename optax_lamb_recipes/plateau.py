@@ -267,6 +267,43 @@ def headline(past: dict, longer: dict) -> str:
   )
 
 
+# What each known setting is (`KNOWN`'s order), for the verdict's account of the chosen trials.
+KNOWN_SOURCES = ("the 1x search's choice, `budget.json`", "the first past-plateau search's choice")
+
+
+def trial_source(results: dict, family: str) -> str:
+  """Where ``family``'s chosen trial came from: a stratified draw, or one of its known settings."""
+  (c,) = [c for c in results["chosen"] if c["family"] == family]
+  drawn = results["search"]["trials"]
+  if c["trial"] < drawn:
+    return f"draw {c['trial'] + 1} of {drawn}"
+  return f"known setting {c['trial'] - drawn + 1} ({KNOWN_SOURCES[c['trial'] - drawn]})"
+
+
+def verdict(results: dict) -> str:
+  """The recipe's first finding, from a fair search (both optimizers over the same ranges with
+  their known settings among the trials, chosen on the selection seeds' validation, the pair on
+  every seed): LAMB minus AdamW, its t-interval and per-seed values, the verdict, and where each
+  chosen trial came from."""
+  (b,) = results["search"]["batches"]
+  d = search.table(results)[b]["difference"]
+  tests = [records.final(r, "test") for f in FAMILIES for r in _chosen_runs(results, f)]
+  selecting = ", ".join(str(s) for s in search.selection_seeds(results))
+  known = {f: len(k) for f, k in results["search"].get("known", {}).items()}
+  words = analysis.side(d).replace("no difference resolved", "unresolved")
+  base = analysis.baseline(results)
+  against = "" if base is None else f" against the token-frequency loss {base:.2f}"
+  return (
+    f"Past the plateau (batch {b}, {MULTIPLE}x the sweep's samples, test losses {min(tests):.2f} to "
+    f"{max(tests):.2f}{against}), LAMB minus AdamW: {analysis.difference_cell(d)} nats over {d['seeds']} seeds "
+    f"(95% t-interval, each seed's in brackets), {words}. Both were searched over the same ranges, "
+    f"{results['search']['trials']} stratified draws each plus "
+    + " and ".join(f"{report.OPTIMIZERS[f]}'s {n} best known settings" for f, n in known.items())
+    + f", each chosen by its mean validation loss on seeds {selecting}: LAMB's chosen trial is "
+    f"{trial_source(results, 'lamb')}, AdamW's {trial_source(results, 'adamw')}."
+  )
+
+
 def format_report(results: dict) -> str:
   """Markdown: the paired table, the findings, the steps to the targets, the chosen trials, the
   compute."""

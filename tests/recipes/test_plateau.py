@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("flax")
 
-from optax_lamb_recipes import plateau, search
+from optax_lamb_recipes import analysis, plateau, search
 
 pytestmark = pytest.mark.slow  # the recipe and benchmark jobs: CI runs them (pytest -m slow)
 
@@ -90,6 +90,18 @@ def test_the_ci_job_searches_one_batch_reruns_the_best_and_reports(tmp_path):
   steps = plateau.format_steps(results)
   assert steps.count("\n") == 1 + len(plateau.TARGETS)
   assert plateau.main(["--preset", "ci", "--out", out])["runs"] == results["runs"]  # resumed
+  said = plateau.verdict(results)
+  (d,) = [row["difference"] for row in search.table(results).values()]
+  assert analysis.difference_cell(d) in said and f"over {d['seeds']} seeds" in said
+  for family in plateau.FAMILIES:
+    assert plateau.trial_source(results, family) in said
+
+
+def test_trial_source_names_a_draw_or_the_known_setting_it_was():
+  results = {"search": {"trials": 8}, "chosen": [{"family": "lamb", "trial": 8},
+                                                 {"family": "adamw", "trial": 3}]}  # fmt: skip
+  assert plateau.trial_source(results, "lamb") == (f"known setting 1 ({plateau.KNOWN_SOURCES[0]})")
+  assert plateau.trial_source(results, "adamw") == "draw 4 of 8"
 
 
 def test_trials_left_counts_final_test_losses_below_the_baseline():
