@@ -1,6 +1,6 @@
 """Markdown rendered from committed results: benchmarks (`benchmarks/results/*.json`), the
 recipe's claim study (`notebooks/results/study.json`), its random search (`search.json`), the
-searched settings trained longer (`budget.json`), the search past the plateau (`plateau.json`),
+searched settings trained longer (`budget.json`), the search past the plateau (`past_plateau.json`),
 the replay of the diverged run (`divergence.json`) and 8-bit against float32 moments
 (`moments8.json`).
 
@@ -181,11 +181,11 @@ def study_summary(study_path: str) -> str:
   )
 
 
-def recipe_headline(plateau_path: str, budget_path: str) -> str:
-  """The recipe's first finding: LAMB against AdamW past the plateau (`plateau.headline`)."""
+def recipe_headline(plateau_path: str) -> str:
+  """The recipe's first finding: LAMB against AdamW past the plateau (`plateau.verdict`)."""
   from optax_lamb_recipes import plateau
 
-  return plateau.headline(_load(plateau_path), _load(budget_path))
+  return plateau.verdict(_load(plateau_path))
 
 
 def study_report(study_path: str) -> str:
@@ -499,7 +499,7 @@ def _recipe_blocks(root: str) -> dict[str, dict[str, str]]:
   study = os.path.join(root, "notebooks", "results", "study.json")
   searched = os.path.join(root, "notebooks", "results", "search.json")
   longer = os.path.join(root, "notebooks", "results", "budget.json")
-  past = os.path.join(root, "notebooks", "results", "plateau.json")
+  past = os.path.join(root, "notebooks", "results", "past_plateau.json")
   replay = os.path.join(root, "notebooks", "results", "divergence.json")
   quantized = os.path.join(root, "notebooks", "results", "moments8.json")
   return {
@@ -507,11 +507,11 @@ def _recipe_blocks(root: str) -> dict[str, dict[str, str]]:
       # The README leads with the finding past the plateau, then keeps the claim study's table;
       # the steps to a target, the random search, the longer training, the replay and the
       # search past the plateau's tables are docs/recipe.md's.
-      "recipe headline": recipe_headline(past, longer),
+      "recipe headline": recipe_headline(past),
       "recipe study": study_summary(study),
     },
     os.path.join("docs", "recipe.md"): {
-      "recipe headline": recipe_headline(past, longer),
+      "recipe headline": recipe_headline(past),
       "recipe study": study_report(study),
       "steps to target": steps_to_target(study, table=True),
       "random search": search_summary(searched, full=True),

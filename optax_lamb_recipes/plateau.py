@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from optax_lamb_recipes import analysis, budget_report, presets, records, report, search, steps
+from optax_lamb_recipes import analysis, presets, records, report, search, steps
 from optax_lamb_recipes.presets import FAMILIES
 
 MULTIPLE = 4  # times the sweep's samples
@@ -211,62 +211,6 @@ def findings(results: dict, targets=TARGETS) -> list[str]:
   return out
 
 
-def _same_runs_but_samples(past: dict, longer: dict) -> int:
-  """How many times ``longer``'s samples this search's runs have; ValueError unless the two
-  files' data, model and splits agree (so that their runs pair by seed and test sequence)."""
-  a, b = dict(past["config"]), dict(longer["config"])
-  multiple = a.pop("samples") / b.pop("samples")
-  a.pop("seeds"), b.pop("seeds")
-  if a != b or past["data"] != longer["data"] or multiple != int(multiple):
-    raise ValueError("plateau.json and budget.json differ in data, model or splits")
-  return int(multiple)
-
-
-def stretched_lamb(past: dict, longer: dict) -> dict:
-  """The longer-training file's LAMB (its settings searched at 1x, the schedule stretched) at
-  this search's batch and budget, set against this search's chosen trials on the same seeds:
-  ``difference`` (that LAMB minus the chosen AdamW, a `analysis.t_interval` paired by seed and
-  test sequence), ``chosen`` (the chosen LAMB minus the chosen AdamW, the same), and on the
-  search's first seed the validation loss of that LAMB and of the chosen LAMB (``validation``)."""
-  multiple = _same_runs_but_samples(past, longer)
-  (batch,) = past["search"]["batches"]
-  stretched = budget_report.losses(longer, "lamb", batch, multiple)
-  lamb, adamw = (search.losses(past, f, batch) for f in FAMILIES)
-  first = past["search"]["seeds"][0]
-  chosen_lamb = next(r for r in _chosen_runs(past, "lamb") if r["seed"] == first)
-  return {
-    "batch": batch,
-    "multiple": multiple,
-    "difference": analysis.paired(stretched, adamw)["difference"],
-    "chosen": analysis.paired(lamb, adamw)["difference"],
-    "validation": {
-      "stretched": records.final(budget_report.run_at(longer, "lamb", batch, multiple, first),
-                                 "validation"),
-      "chosen": records.final(chosen_lamb, "validation"),
-      "seed": first,
-    },
-  }  # fmt: skip
-
-
-def headline(past: dict, longer: dict) -> str:
-  """The recipe's first finding: LAMB against AdamW past the plateau, from this search and from
-  the longer-training file's LAMB at the same batch and budget, with the verdict of each."""
-  got = stretched_lamb(past, longer)
-  d, c, v = got["difference"], got["chosen"], got["validation"]
-  tests = [records.final(r, "test") for f in FAMILIES for r in _chosen_runs(past, f)]
-  than = "better than" if v["stretched"] < v["chosen"] else "no better than"
-  words = lambda x: analysis.side(x).replace("no difference resolved", "unresolved")  # noqa: E731
-  return (
-    f"Past the plateau (batch {got['batch']}, {got['multiple']}x the samples, test losses "
-    f"{min(tests):.2f} to {max(tests):.2f} against the token-frequency loss "
-    f"{analysis.baseline(past):.2f}), LAMB minus AdamW, both searched with the same budget: "
-    f"{analysis.difference_cell(c)} nats over {c['seeds']} seeds, {words(c)}. LAMB's settings "
-    f"searched at 1x and stretched to {got['multiple']}x (`budget.json`) score "
-    f"{v['stretched']:.3f} on seed {v['seed']}'s validation, {than} the search's chosen LAMB "
-    f"({v['chosen']:.3f}); against the same AdamW: {analysis.difference_cell(d)} nats, {words(d)}."
-  )
-
-
 # What each known setting is (`KNOWN`'s order), for the verdict's account of the chosen trials.
 KNOWN_SOURCES = ("the 1x search's choice, `budget.json`", "the first past-plateau search's choice")
 
@@ -296,10 +240,10 @@ def verdict(results: dict) -> str:
   return (
     f"Past the plateau (batch {b}, {MULTIPLE}x the sweep's samples, test losses {min(tests):.2f} to "
     f"{max(tests):.2f}{against}), LAMB minus AdamW: {analysis.difference_cell(d)} nats over {d['seeds']} seeds "
-    f"(95% t-interval, each seed's in brackets), {words}. Both were searched over the same ranges, "
-    f"{results['search']['trials']} stratified draws each plus "
-    + " and ".join(f"{report.OPTIMIZERS[f]}'s {n} best known settings" for f, n in known.items())
-    + f", each chosen by its mean validation loss on seeds {selecting}: LAMB's chosen trial is "
+    f"(95% t-interval; each seed's), {words}. Both were searched over the same ranges: "
+    f"{results['search']['trials']} stratified draws each plus its best known settings ("
+    + ", ".join(f"{report.OPTIMIZERS[f]} {n}" for f, n in known.items())
+    + f"), each chosen by its mean validation loss on seeds {selecting}: LAMB's chosen trial is "
     f"{trial_source(results, 'lamb')}, AdamW's {trial_source(results, 'adamw')}."
   )
 
@@ -308,12 +252,13 @@ def format_report(results: dict) -> str:
   """Markdown: the paired table, the findings, the steps to the targets, the chosen trials, the
   compute."""
   steps_table = "Steps to a test loss, median over seeds (evaluations around it):\n\n"
+  selecting = ", ".join(str(s) for s in search.selection_seeds(results))
   return "\n\n".join(
     [
       search.format_table(results),
       " ".join(findings(results)),
       steps_table + format_steps(results),
-      "The chosen trials (validation loss with the first seed):\n\n"
+      f"The chosen trials (final validation loss, mean over seeds {selecting}):\n\n"
       + search.format_chosen(results),
       search.format_compute(results) + ".",
     ]

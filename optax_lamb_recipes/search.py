@@ -235,8 +235,10 @@ def table(results: dict) -> dict[int, dict[str, dict]]:
 
 def format_table(results: dict) -> str:
   """Markdown: per batch, each optimizer's searched loss and the paired difference."""
+  known = {len(k) for k in results["search"].get("known", {}).values()}
+  plus = f" plus {known.pop()} known settings" if len(known) == 1 and 0 not in known else ""
   lines = [
-    f"Random search, {results['search']['trials']} trials per optimizer and batch; final test "
+    f"Random search, {results['search']['trials']} trials{plus} per optimizer and batch; final test "
     "loss of the best trial (nats), mean over seeds [95% t-interval] (each seed's), and LAMB minus "
     "AdamW (negative: LAMB better):",
     "",

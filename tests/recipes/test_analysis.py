@@ -143,25 +143,28 @@ def _runs(results: dict, **key) -> list[dict]:
   return [r for r in pool if all(r.get(k) == v for k, v in key.items())]
 
 
-def test_the_past_plateau_headline_is_recomputed_from_the_json():
-  past, longer = _load("plateau.json"), _load("budget.json")
+def test_the_past_plateau_verdict_is_recomputed_from_the_json():
+  past, longer = _load("past_plateau.json"), _load("budget.json")
   (b,) = past["search"]["batches"]
   chosen = {c["family"]: c["trial"] for c in past["chosen"]}
   lamb = _runs(past, family="lamb", batch=b, trial=chosen["lamb"])
   adamw = _runs(past, family="adamw", batch=b, trial=chosen["adamw"])
-  stretched = _runs(longer, family="lamb", batch=b, multiple=4)
-  headline = plateau.headline(past, longer)
-  for text, side in (_independent(lamb, adamw), _independent(stretched, adamw)):
-    assert f"{text} nats" in headline and side == "unresolved"
-  assert headline.count(", unresolved") == 2
-  validation = {
-    "stretched": next(r for r in stretched if r["seed"] == 0)["validation"][-1],
-    "chosen": next(r for r in lamb if r["seed"] == 0)["validation"][-1],
-  }
-  assert validation["stretched"] < validation["chosen"]
-  assert f"score {validation['stretched']:.3f} on seed 0's validation, better than" in headline
+  assert [r["seed"] for r in lamb] == [r["seed"] for r in adamw] == past["search"]["seeds"]
+  verdict = plateau.verdict(past)
+  text, side = _independent(lamb, adamw)
+  assert f"{text} nats over {len(lamb)} seeds" in verdict and f", {side}." in verdict
+  # The chosen LAMB is budget.json's: its runs at 4x reproduce those of the same settings there
+  # (to float noise: the two files were trained on different CPUs, whose XLA sums in other orders).
+  if chosen["lamb"] == past["search"]["trials"]:
+    there = {r["seed"]: r for r in _runs(longer, family="lamb", batch=b, multiple=4)}
+    assert there and all(
+      r["hyper"] == there[r["seed"]]["hyper"] for r in lamb if r["seed"] in there
+    )
+    for r in lamb:
+      if r["seed"] in there:
+        assert abs(r["test"][-1] - there[r["seed"]]["test"][-1]) < 1e-3
   for page in (("README.md",), ("docs", "recipe.md")):
-    assert headline in _read(*page), page
+    assert verdict in _read(*page), page
 
 
 def test_the_study_table_and_verdicts_in_the_readme_are_recomputed_from_the_json():
