@@ -232,7 +232,7 @@ def verdict(results: dict) -> str:
   (b,) = results["search"]["batches"]
   d = search.table(results)[b]["difference"]
   tests = [records.final(r, "test") for f in FAMILIES for r in _chosen_runs(results, f)]
-  selecting = ", ".join(str(s) for s in search.selection_seeds(results))
+  selecting = search.selection_seeds_text(results)
   known = {f: len(k) for f, k in results["search"].get("known", {}).items()}
   words = analysis.side(d).replace("no difference resolved", "unresolved")
   base = analysis.baseline(results)
@@ -252,7 +252,7 @@ def format_report(results: dict) -> str:
   """Markdown: the paired table, the findings, the steps to the targets, the chosen trials, the
   compute."""
   steps_table = "Steps to a test loss, median over seeds (evaluations around it):\n\n"
-  selecting = ", ".join(str(s) for s in search.selection_seeds(results))
+  selecting = search.selection_seeds_text(results)
   return "\n\n".join(
     [
       search.format_table(results),

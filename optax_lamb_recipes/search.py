@@ -264,6 +264,11 @@ def selection_seeds(results: dict) -> list[int]:
   return search["seeds"][: search.get("select_seeds", 1)]
 
 
+def selection_seeds_text(results: dict) -> str:
+  """`selection_seeds` as a list for a sentence: "0, 1"."""
+  return ", ".join(str(s) for s in selection_seeds(results))
+
+
 def format_chosen(results: dict) -> str:
   """Markdown: the chosen trial of each optimizer and batch, and its validation loss (the mean
   over the selection seeds)."""
