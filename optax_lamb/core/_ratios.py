@@ -92,18 +92,6 @@ def column_blocks(platform: str | None = None) -> bool:
   return NORM_BLOCKS == "columns"
 
 
-def block_count(length: int, target: int) -> int | None:
-  """A number of blocks near `target` that divides `length` into blocks of even length, or None:
-  a power of two if one does (a leaf sharded on its first axis keeps whole blocks per device).
-  Uneven blocks (a tail) would give the inputs' producer two consumers: XLA:CPU would store it."""
-  even = lambda b: length % b == 0 and length // b % 2 == 0
-  powers = [1 << k for k in range(target.bit_length() - 2, target.bit_length() + 1)]
-  fits = [b for b in powers if even(b)] or [
-    b for b in range(target // 2, 2 * target + 1) if even(b)
-  ]
-  return min(fits, key=lambda b: (abs(b - target), -b)) if fits else None
-
-
 def _add(a: tuple, b: tuple) -> tuple:
   return tuple(x + y for x, y in zip(a, b, strict=True))
 
@@ -119,11 +107,12 @@ def leaf_sq_sums(
   """Sums of (x s)^2 for each array x and each s of `scales` (array-major), in one pass.
 
   Each slice (all but the first `stacked_axes` axes) is viewed as about `partial_count` blocks
-  (`block_count`); one reduction sums each block for every sum at once (a loop that evaluates the
-  inputs' producers, e.g. the LAMB direction, once), then the partial sums are added up. Slices
-  too short or that no such blocks divide take one reduction for all sums; `partial_count` 1, no
-  blocks. A small leaf: a plain reduction per sum, or with `joint` one for all (`small_sums`).
-  The layout: `column_blocks` of the platform lowered for (`columns` None) or `columns`."""
+  (`_sharded_views.block_count`); one reduction sums each block for every sum at once (a loop
+  that evaluates the inputs' producers, e.g. the LAMB direction, once), then the partial sums
+  are added up. Slices too short or that no such blocks divide take one reduction for all sums;
+  `partial_count` 1, no blocks. A small leaf: a plain reduction per sum, or with `joint` one for
+  all (`small_sums`). The layout: `column_blocks` of the platform lowered for (`columns` None)
+  or `columns`."""
   terms = tuple(squares(x, s) for x in xs for s in scales)
   blocked = partial_count > 1 and math.prod(jnp.shape(xs[0])) >= max(
     16 * partial_count, BLOCKED_FROM
@@ -173,7 +162,7 @@ def _reduced(
   axes = tuple(range(stacked_axes, len(shape)))
   zeros = tuple(jnp.zeros((), q.dtype) for q in terms)
   big = length >= max(16 * partial_count, BLOCKED_FROM)
-  blocks = block_count(length, partial_count) if big else None
+  blocks = _sharded_views.block_count(length, partial_count) if big else None
   view = None if blocks is None else lead + (blocks, length // blocks)
   if view is not None and _sharded_views.is_sharded(terms[0]):  # jax refuses that reshape there
     view, columns = _sharded_views.first_axis_blocks(terms[0], stacked_axes, partial_count, columns)
@@ -217,11 +206,20 @@ def scaled_sq_sums(
   return _reduced(tuple(terms), stacked_axes, PARTIALS, False, joint)
 
 
+@jax.custom_jvp
 def safe_sqrt(sq: jax.Array) -> jax.Array:
   """sqrt(sq) with a finite derivative at 0 (a plain sqrt's untaken zero-norm branch makes
-  gradients through a step NaN). A NaN sum stays NaN: never read as a zero norm (ratio 1)."""
+  gradients through a step NaN), the guard in the derivative only: XLA compiles a lone sqrt
+  per leaf, not four operations. A NaN sum stays NaN: never read as a zero norm (ratio 1)."""
+  return jnp.sqrt(sq)
+
+
+@safe_sqrt.defjvp
+def _safe_sqrt_jvp(primals: tuple, tangents: tuple) -> tuple:
+  (sq,), (d_sq,) = primals, tangents
   zero = sq == 0
-  return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, jnp.ones_like(sq), sq)))
+  slope = jnp.where(zero, 0, 0.5 / jnp.sqrt(jnp.where(zero, jnp.ones_like(sq), sq)))
+  return jnp.sqrt(sq), slope * d_sq
 
 
 def suspect(sq: jax.Array) -> jax.Array:
@@ -229,13 +227,23 @@ def suspect(sq: jax.Array) -> jax.Array:
   return jnp.logical_or(sq < SMALL_SQUARED_NORM, jnp.isinf(sq))
 
 
+def chosen_sum(plain: jax.Array, scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The sum a norm is taken from and its scale: where `plain` is `suspect`, the `scaled` sum and
+  `rescue_scale(plain)`, else `plain` and 1. A scaled sum NaN alone (XLA:CPU, jax 0.10.2, folds
+  (x s)^2 into x^2 s^2, 0 inf, for a one-element leaf) leaves the plain sum."""
+  rescued = jnp.logical_and(suspect(plain), jnp.logical_not(jnp.isnan(scaled)))
+  scale = jnp.where(rescued, rescue_scale(plain), jnp.ones_like(plain))
+  return jnp.where(rescued, scaled, plain), scale
+
+
+def scaled_norm(total: jax.Array, scale: jax.Array) -> jax.Array:
+  """||x|| from the sum of (x scale)^2 (scale 1 divides exactly); finite derivatives."""
+  return safe_sqrt(total) / scale
+
+
 def norm_from_sums(plain: jax.Array, scaled: jax.Array) -> jax.Array:
-  """||x|| from its plain sum of squares where not `suspect`, else from its sum at
-  `rescue_scale(plain)`; finite derivatives. A scaled sum NaN alone (XLA:CPU, jax 0.10.2, folds
-  (x s)^2 into x^2 s^2, 0 inf, for a one-element leaf) takes the plain sum's norm."""
-  rescued = safe_sqrt(scaled) / rescue_scale(plain)
-  rescued = jnp.where(jnp.isnan(rescued), safe_sqrt(plain), rescued)
-  return jnp.where(suspect(plain), rescued, safe_sqrt(plain))
+  """||x|| from its plain sum of squares, or where `suspect` its sum at `rescue_scale(plain)`."""
+  return scaled_norm(*chosen_sum(plain, scaled))
 
 
 def needs_rescue(param_sq: jax.Array, update_sq: jax.Array, adapted: Sequence[bool]) -> jax.Array:

@@ -1,7 +1,8 @@
 """Views of an array that jax's sharding rules accept where its type shards it (a mesh of
 `Explicit` axes, under ``jax.set_mesh``): there jax refuses, at trace time, a reshape or a slice
 that does not keep each device's piece whole (``ShardingTypeError``). On an `Auto` mesh and on one
-device the types shard nothing (`shards` all 1) and the callers keep their plain views.
+device the types shard nothing (`shards` all 1) and the callers keep their plain views. And the
+blocks a leaf's norm sums view it in (`block_count`), which keep a first-axis shard's blocks whole.
 """
 
 from __future__ import annotations
@@ -62,3 +63,15 @@ def last_axis_blocks(x: jax.Array, block_size: int) -> jax.Array:
   spec = tuple(jax.typeof(x).sharding.spec)
   out = jax.sharding.PartitionSpec(*spec[:-1], None, spec[-1])
   return jax.lax.reshape(x, view, out_sharding=out)
+
+
+def block_count(length: int, target: int) -> int | None:
+  """A number of blocks near `target` that divides `length` into blocks of even length, or None:
+  a power of two if one does (a leaf sharded on its first axis keeps whole blocks per device).
+  Uneven blocks (a tail) would give the inputs' producer two consumers: XLA:CPU would store it."""
+  even = lambda b: length % b == 0 and length // b % 2 == 0
+  powers = [1 << k for k in range(target.bit_length() - 2, target.bit_length() + 1)]
+  fits = [b for b in powers if even(b)] or [
+    b for b in range(target // 2, 2 * target + 1) if even(b)
+  ]
+  return min(fits, key=lambda b: (abs(b - target), -b)) if fits else None
