@@ -10,6 +10,7 @@ path here; the descriptions of what does not fit are `_explain`'s.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -241,11 +242,31 @@ def _too_large(g: jax.Array, factor: Any, limit: float) -> jax.Array:
   return jnp.logical_or(nan, jnp.logical_not(peak < limit))
 
 
-def gradients_ok(grads: list, factor: Any, thresholds: list[float], names: list) -> jax.Array:
+def clip_keeps_below(max_norm: Any, norm_eps: Any, thresholds: list[float]) -> bool:
+  """Whether clipping to `max_norm` alone keeps every finite gradient below its threshold.
+
+  With G the clipping norm (finite), the clip factor is 1 where G + `norm_eps` <= `max_norm`,
+  else `max_norm` / (G + `norm_eps`); every |g_i| is at most G (a sum of non-negative terms,
+  rounded to nearest, is never below its largest term: a few ulp), so |g_i| times the factor is
+  at most about `max_norm`. Half the smallest threshold leaves room for those ulp. Known only
+  for numbers given when the optimizer was built (an array: not known)."""
+  static = all(isinstance(x, (int, float)) for x in (max_norm, norm_eps))
+  return static and norm_eps >= 0 and 2 * max_norm <= min(thresholds, default=math.inf)
+
+
+def gradients_ok(
+  grads: list, factor: Any, thresholds: list[float], names: list, clipped_by: Any = None
+) -> jax.Array:
   """Whether every gradient times the clip `factor` is finite and below its leaf's second
   moment's `_leaf.overflow_threshold`: the largest |g| of each leaf, one reduction over the
   gradients, agreed over the mapped axes (a NaN counts as too large). Each leaf's flag is a call
-  of one jitted function, traced and lowered once per leaf shape, not once per leaf."""
+  of one jitted function, traced and lowered once per leaf shape, not once per leaf.
+
+  `clipped_by`: the clipping's global norm where `clip_keeps_below` holds: then the test is that
+  norm's being finite (psum'd already, a NaN or Inf in any gradient makes it NaN or Inf; finite
+  gradients give a finite norm), and the gradients are not read again."""
+  if clipped_by is not None:
+    return jnp.isfinite(clipped_by)
   flag = jax.jit(_too_large, static_argnums=2)
   flags = [flag(g, factor, limit) for g, limit in zip(grads, thresholds, strict=True)]
   # Counted by one reduction: a chain of per-leaf adds would be copied by XLA into every fusion

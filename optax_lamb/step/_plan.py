@@ -171,7 +171,8 @@ def _narrow(stored: Any, grad: Any) -> bool:
 
 
 def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: list) -> tuple:
-  """(the step's `StepScalars`, its count t, the decay and learning-rate states after it)."""
+  """(the step's `StepScalars`, its count t, the decay and learning-rate states after it, the
+  clipping's global norm or None)."""
   o, h = config.options, config.hyper
   count = optax.safe_increment(parts.adam.count)
   bc1, bc2 = _leaf.bias_corrections(count, h.b1, h.b2, o.bias_correction_in_direction)
@@ -180,14 +181,14 @@ def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: l
   step_size = -1 * lr
   if o.bias_correction_on_step_size:
     step_size = step_size * _leaf.step_size_correction(*_leaf.bias_corrections(count, h.b1, h.b2))
-  clip_factor = None
+  clip_factor = norm = None
   if h.max_grad_norm is not None:
     norm = _ratios.global_norm(jax.tree.leaves(grads), names)
     clip_factor = _leaf.clip_factor(norm, h.max_grad_norm, h.clip_norm_eps)
   scalars = given_scalars(config)._replace(
     bc1=bc1, bc2=bc2, weight_decay=wd, step_size=step_size, clip_factor=clip_factor
   )
-  return scalars, count, decay_state, lr_state
+  return scalars, count, decay_state, lr_state, norm
 
 
 def plan_step(
@@ -201,7 +202,7 @@ def plan_step(
   """
   per_leaf, parts = config.per_leaf, LambStateParts(*state)
   names = _checks.resolve_axis_names(per_leaf.axis_name, params)
-  scalars, count, decay_state, lr_state = step_scalars(config, parts, grads, names)
+  scalars, count, decay_state, lr_state, clip_norm = step_scalars(config, parts, grads, names)
   treedef: Any = jax.tree.structure(params)
   resolved = (
     _checks.resolve_per_leaf(per_leaf.mask, grads, True, "mask", "bool"),
@@ -228,7 +229,10 @@ def plan_step(
   )
   skipping = None
   if rule is not None:
-    ok = _checks.gradients_ok(gs, scalars.clip_factor, _leaf.overflow_limits(nu_dtype, vs), names)
+    limits, h = _leaf.overflow_limits(nu_dtype, vs), config.hyper
+    if not _checks.clip_keeps_below(h.max_grad_norm, h.clip_norm_eps, limits):
+      clip_norm = None  # no clipping, or one that may leave a finite gradient too large
+    ok = _checks.gradients_ok(gs, scalars.clip_factor, limits, names, clipped_by=clip_norm)
     fine = ok if rule.verdict is None else _decision.passes(ok, rule.verdict)
     consecutive, take = _decision.decide(fine, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)

@@ -375,6 +375,10 @@ OVERFLOW_CASES = {  # (nu dtype, max_grad_norm, |g|, skipped): the threshold is 
   "float32, 1e20 clipped": (jnp.float32, 1.0, 1e20, False),  # judged after clipping
   "float16, 300": (jnp.float16, None, 300.0, True),
   "float16, 200": (jnp.float16, None, 200.0, False),
+  # judged from the clipping norm (max_grad_norm at most half the threshold), its rescue taken
+  "float16, 300 clipped": (jnp.float16, 1.0, 300.0, False),
+  "float32, 1e30 clipped": (jnp.float32, 1.0, 1e30, False),
+  "float16, 300 clipped to 200": (jnp.float16, 200.0, 300.0, False),  # the largest |g| read
 }
 
 
@@ -427,3 +431,54 @@ def test_check_results_skips_a_finite_step_that_would_overflow_the_moments(imple
     # the next, ordinary step is taken either way
     _, state = jax.jit(tx.update)(grads, state, params)
     assert int(optax_lamb.skip_counts(state).consecutive) == 0
+
+
+def _reductions(jaxpr) -> int:
+  """Reductions in a jaxpr, those of its sub-jaxprs (calls, branches) counted once each."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name.startswith("reduce_") or eqn.primitive.name == "reduce"
+    n += sum(_reductions(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+  return n
+
+
+def test_clipped_skip_reads_the_gradients_no_more_than_the_clip(rng):
+  """With max_grad_norm, lamb(skip_nonfinite=True) decides from the clipping norm it already
+  has (finite gradients clip to at most max_grad_norm, under every overflow threshold): not
+  one reduction over the gradients more than the clip alone. Without clipping it reads them."""
+  params, grads = make_params(rng), make_grads(rng)
+
+  def count(**kw):
+    tx = optax_lamb.lamb(1e-2, implementation="xla", **kw)
+    return _reductions(jax.make_jaxpr(tx.update)(grads, tx.init(params), params).jaxpr)
+
+  assert count(max_grad_norm=1.0, skip_nonfinite=True) == count(max_grad_norm=1.0)
+  assert count(skip_nonfinite=True) > count()
+  # a clip that may leave a finite gradient above float16's threshold: the largest |g| is read
+  wide = dict(max_grad_norm=200.0, nu_dtype=jnp.float16)
+  assert count(skip_nonfinite=True, **wide) > count(**wide)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+def test_clipped_skip_matches_reference_at_extreme_magnitudes(implementation, rng):
+  """skip_nonfinite with clipping, against the float64 NumPy LAMB: finite gradients of every
+  magnitude (1e30, whose float32 sum of squares overflows, and 1e-30) are clipped and taken,
+  a NaN or an Inf anywhere is skipped."""
+  params = make_params(rng)
+  seq = [
+    make_grads(rng),
+    make_grads(rng, scale=1e30),
+    poison(make_grads(rng), rng, np.inf),
+    make_grads(rng, scale=1e-30),
+    poison(make_grads(rng, scale=1e30), rng, np.nan),
+    make_grads(rng),
+  ]
+  kw = dict(weight_decay=0.01, max_grad_norm=1.0, skip_nonfinite=True)
+  got, state = run(optax_lamb.lamb(1e-2, implementation=implementation, **kw), params, seq)
+  ref = NumpyLamb(1e-2, **kw)
+  want = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  for g in seq:
+    want = ref.step(want, g)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, atol=1e-6)
+  assert int(optax_lamb.skip_counts(state).total) == ref.skipped == 2
