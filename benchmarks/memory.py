@@ -68,12 +68,18 @@ CONFIGURATIONS: dict[str, Configuration] = {
   "lamb, bfloat16 moments": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
   ),
+  "lamb, bfloat16 mu": Configuration(  # optax's mu_dtype alone: nu float32
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16)
+  ),
   "lamb, 8-bit moments": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.int8, nu_dtype=jnp.uint8)
   ),
   "update_and_apply, bfloat16 moments": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
     fused=True,
+  ),
+  "update_and_apply, bfloat16 mu": Configuration(
+    lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.bfloat16), fused=True
   ),
   "update_and_apply, 8-bit moments": Configuration(
     lambda: optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=jnp.int8, nu_dtype=jnp.uint8),

@@ -128,10 +128,14 @@ def moment_gradient(g, p, o: LambOptions, s: StepScalars, *, decay: bool) -> jax
   return add_decay(g, p, s.weight_decay) if _decays_in(o, decay, "gradient") else g
 
 
-def moments(g, m, v, o: LambOptions, s: StepScalars, *, p=None, decay: bool = False) -> tuple:
-  """(m', v') in the compute dtype from the gradient (`moment_gradient`) and the stored moments."""
+def moments(
+  g, m, v, o: LambOptions, s: StepScalars, *, p=None, decay: bool = False, v_is_new: bool = False
+) -> tuple:
+  """(m', v') in the compute dtype from the gradient (`moment_gradient`) and the stored moments;
+  `v_is_new`: v is v' already (computed and stored exactly, a float32 nu beside a narrow mu)."""
   g = moment_gradient(g, p, o, s, decay=decay)
-  return update_moments(g, m, v, s.b1, s.b2, o.grad_averaging)
+  m, v_t = update_moments(g, m, v, s.b1, s.b2, o.grad_averaging)
+  return m, (v if v_is_new else v_t)
 
 
 def adam_direction(m, v, s: StepScalars) -> jax.Array:
@@ -180,9 +184,14 @@ def finite_direction(u, p) -> jax.Array:
   return jnp.logical_and(jnp.isfinite(u), jnp.isfinite(p))
 
 
-def stored_moments(m_c, v_c, m, v, p, o: LambOptions, s: StepScalars, *, decay: bool) -> tuple:
+def stored_moments(
+  m_c, v_c, m, v, p, o: LambOptions, s: StepScalars, *, decay: bool, v_is_new: bool = False
+) -> tuple:
   """The new moments `m_c`, `v_c` (compute dtype) as stored in the old ones' (`m`, `v`) dtypes;
-  with ``o.finite_guard``, the old values where the direction they give is not finite."""
+  with ``o.finite_guard``, the old values where the direction they give is not finite;
+  `v_is_new` (no guard): v_c is stored already (`moments`)."""
+  if v_is_new:
+    return stored(m_c, m, s), v_c
   if o.finite_guard:
     u = adam_direction(m_c, v_c, s)
     u = add_decay(u, p, s.weight_decay) if _decays_in(o, decay, "direction") else u

@@ -87,6 +87,9 @@ class LeafPlan(NamedTuple):
   axis_name: AxisNames  # mapped axes the leaf is sharded over (psum its norms), or None
   ratio_offset: int  # first entry of this leaf in the ratio vector
   narrow_moments: bool  # stored m, v not those u is computed from (narrow, 8-bit, finite_guard)
+  # v stored as computed beside a narrow m (a float32 nu, optax's mu_dtype alone): the XLA
+  # passes write it in pass 1, as float32 moments, and recompute only m in pass 2
+  nu_as_computed: bool = False
 
   @property
   def slices(self) -> int:
@@ -224,6 +227,8 @@ def plan_step(
       axis_name=names[i],
       ratio_offset=layout.offsets[i],
       narrow_moments=_narrow(ms[i], gs[i].dtype) or _narrow(vs[i], gs[i].dtype) or guard,
+      nu_as_computed=_narrow(ms[i], gs[i].dtype)
+      and not (_narrow(vs[i], gs[i].dtype) or guard or isinstance(ms[i], QuantizedMoment)),
     )
     for i, p in enumerate(ps)
   )

@@ -190,6 +190,18 @@ def test_narrow_moments_cost_at_most_their_copy(name):
   assert temps <= moment_bytes + _budget(param_bytes), (name, temps / param_bytes)
 
 
+@pytest.mark.parametrize("mu_dtype", [jnp.bfloat16, jnp.float16])
+def test_a_narrow_first_moment_alone_costs_at_most_its_copy(mu_dtype):
+  """optax's `mu_dtype` alone (v float32): v is written in pass 1 as float32 moments are and read
+  back, so ``tx.update`` copies only m's old values (2 bytes a parameter, not 6), and
+  `update_and_apply` nothing beyond the budget."""
+  tx = optax_lamb.lamb(LR, weight_decay=0.01, mu_dtype=mu_dtype)
+  temps, param_bytes = _temporaries(tx)
+  assert temps <= param_bytes // 2 + _budget(param_bytes), temps / param_bytes
+  temps, param_bytes = _temporaries(tx, fused=True)
+  assert temps <= _budget(param_bytes), temps / param_bytes
+
+
 SMALL_TREE_IN_THE_DEFAULT_RUN = ("lamb", "skip, clip, stacked", "keras clipnorm, stacked")
 
 

@@ -91,6 +91,9 @@ class XlaBackend(fields.Checked):
       _pass1(o, s, leaf, x, keep_u=leaf.index in kept, in_rows=rows_on, joint=joint, chunks=chunks)
       for leaf, x in zip(plan.leaves, leaves, strict=True)
     ]
+    # Where pass 1 wrote v over the old one (`nu_as_computed`), what follows reads the new v.
+    new_v = [leaf.nu_as_computed for leaf in plan.leaves]
+    leaves = [x._replace(v=f.v) if n else x for x, f, n in zip(leaves, firsts, new_v, strict=True)]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
     rows = _sums.slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
     ratios, pieces = _ratios_of(plan, leaves, firsts, rows, joint)
@@ -176,6 +179,8 @@ def _pass1(
   m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
   if not leaf.narrow_moments:  # u from the moments as stored (kept where skipped): the old ones
     m_c, v_c = m, v  # are then read once, where they are overwritten (no copy)
+  elif leaf.nu_as_computed:  # so is v (written here); pass 2 recomputes only m
+    v_c = v
   k = leaf.stacked_axes
   kept = None
   if o.caution:  # a reduction over the leaf before u: the kernels do not compute it
@@ -304,7 +309,7 @@ def _scaled_sums(
     return _ratios.scaled_sq_sums(p, u, p_scale, u_scale, stacked_axes=k, joint=joint)
   if leaf.narrow_moments:  # from the old moments, which pass 2 overwrites later
     x, kept = jax.lax.optimization_barrier((x, first.kept))
-    m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+    m_c, v_c = _leaf.moments(*x[:3], o, s, p=x.p, decay=leaf.decay, v_is_new=leaf.nu_as_computed)
   else:  # the new moments as stored are the computed ones: no copy for the branch
     g = x.g if o.caution else None
     m_c, v_c, p, g, kept = jax.lax.optimization_barrier((first.m, first.v, x.p, g, first.kept))
@@ -351,12 +356,13 @@ def _narrow_pass2(
   by the caller, so XLA copies the old moments there (docs/memory.md)."""
   # The barrier keeps u (and the moments) a recomputation here, not pass 1's stored copy.
   x = LeafArrays(*jax.lax.optimization_barrier(tuple(x)))
-  m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
+  new_v = leaf.nu_as_computed
+  m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay, v_is_new=new_v)
   u = _direction(o, s, leaf, x, m_c, v_c, x.p, kept)
   out = _leaf.update(u, x.p, ratio if leaf.adapt else None, o, s, apply=apply, decay=leaf.decay)
   if apply and leaf.size:  # the moments after the params: `_moments_after_params`
     return out, _Later(x), None
-  return (out, *_leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay))
+  return (out, *_leaf.stored_moments(m_c, v_c, *x[1:], o, s, decay=leaf.decay, v_is_new=new_v))
 
 
 class _Later(NamedTuple):
@@ -388,6 +394,6 @@ def _moments_from_zero(
   o: LambOptions, s: StepScalars, leaf: LeafPlan, x: LeafArrays, zero: jax.Array
 ) -> tuple[Any, Any]:
   """A narrow leaf's new moments as stored, from g - `zero` (`_moments_after_params`)."""
-  g = x.g - zero.astype(x.g.dtype)
-  m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
-  return _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
+  g, new_v = x.g - zero.astype(x.g.dtype), leaf.nu_as_computed
+  m_c, v_c = _leaf.moments(g, x.m, x.v, o, s, p=x.p, decay=leaf.decay, v_is_new=new_v)
+  return _leaf.stored_moments(m_c, v_c, *x[1:], o, s, decay=leaf.decay, v_is_new=new_v)
