@@ -202,10 +202,14 @@ def table(results: dict) -> str:
 
 def commits(results: dict) -> list[str]:
   """The commits the entries were measured at (a merged file may hold several)."""
-  found = {
-    r.get("commit", results["commit"]) for t in results["trees"].values() for r in t.values()
-  }
-  return sorted(found)
+  return sorted({commit for commit, _, _ in runs(results)})
+
+
+def runs(results: dict) -> list[tuple[str, str, str]]:
+  """(commit, date, device) of each run the entries come from, oldest first."""
+  entries = [r for t in results["trees"].values() for r in t.values()]
+  keys = ("commit", "date", "device")
+  return sorted({tuple(r.get(k, results[k]) for k in keys) for r in entries}, key=lambda x: x[1])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -236,7 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     for config in args.configurations:
       measured[config] = {
         **measure(shapes, CONFIGURATIONS[config]),
-        "commit": commit,
+        "commit": commit,  # each entry its own: a merged file holds several runs
+        "date": results["date"],
+        "device": results["device"],
         "norm_blocks": args.norm_blocks,
       }
       print(f"{name:10s} {config:40s} {measured[config]['temp_over_param_bytes']:.4f}x", flush=True)

@@ -269,18 +269,23 @@ def _memory_files(results_dir: str) -> dict[str, tuple[str, dict]]:
 
 
 def _memory_source(files: dict[str, tuple[str, dict]]) -> str:
-  """Where and when each layout was measured: the device and jax once where the files agree."""
+  """Where and when each layout was measured, run by run (a merged file holds several): the
+  device and jax once where every run agrees."""
   from benchmarks import memory as bench
 
-  machines = {(r["device"], r["versions"].get("jax", "?")) for _, r in files.values()}
+  jaxes = {r["versions"].get("jax", "?") for _, r in files.values()}
+  devices = {device for _, r in files.values() for _, _, device in bench.runs(r)}
   each = [
-    f"{layout}: commit {', '.join(bench.commits(r))}, {r['date']}, "
-    f"`benchmarks/results/memory/{name}`"
-    + ("" if len(machines) == 1 else f", {r['device']}, jax {r['versions'].get('jax', '?')}")
+    f"{layout}: "
+    + ", ".join(
+      f"commit {commit}, {date}" + ("" if len(devices) == 1 else f" ({device})")
+      for commit, date, device in bench.runs(r)
+    )
+    + f", `benchmarks/results/memory/{name}`"
     for layout, (name, r) in files.items()
   ]
-  common = "{}, jax {}; ".format(*machines.pop()) if len(machines) == 1 else ""
-  return common + "; ".join(each)
+  common = (devices.pop() + ", " if len(devices) == 1 else "") + "jax " + " / ".join(sorted(jaxes))
+  return f"{common}; " + "; ".join(each)
 
 
 def memory(results_dir: str, full: bool) -> str:
@@ -304,7 +309,7 @@ def memory(results_dir: str, full: bool) -> str:
   first = next(iter(files.values()))[1]
   trees = list(first["trees"])
   rows = [
-    f"Measured on {_memory_source(files)}. Temporaries as a multiple of the params' bytes, with "
+    f"Measured with {_memory_source(files)}. Temporaries as a multiple of the params' bytes, with "
     f"the norms summed in {layouts}; the state's bytes per parameter do not depend on the layout "
     "(one figure where the trees agree).",
     "",
