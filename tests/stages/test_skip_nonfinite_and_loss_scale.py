@@ -44,6 +44,19 @@ def run(tx, params, grads_seq, **update_kwargs):
   return params, state
 
 
+def reference_run(ref: NumpyLamb, params, grads_seq) -> dict:
+  """The float64 NumPy LAMB's params after `grads_seq` (its skip counters advance too)."""
+  want = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  for g in grads_seq:
+    want = ref.step(want, g)
+  return want
+
+
+def assert_near_reference(got, want) -> None:
+  for k in want:
+    np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_bad_step_changes_nothing(value, rng):
   params = make_params(rng)
@@ -124,11 +137,7 @@ def test_matches_reference_with_skips_under_scan(rng):
     max_ratio=10.0,
     skip_nonfinite=True,
   )
-  p_ref = {k: np.asarray(v, np.float64) for k, v in params.items()}
-  for g in seq:
-    p_ref = ref.step(p_ref, g)
-  for k in params:
-    np.testing.assert_allclose(np.asarray(p_final[k]), p_ref[k], rtol=1e-5, atol=1e-6)
+  assert_near_reference(p_final, reference_run(ref, params, seq))
   assert int(optax_lamb.skip_counts(state).total) == ref.skipped == 6
   assert int(optax_lamb.skip_counts(state).consecutive) == ref.consecutive
 
@@ -476,9 +485,5 @@ def test_clipped_skip_matches_reference_at_extreme_magnitudes(implementation, rn
   kw = dict(weight_decay=0.01, max_grad_norm=1.0, skip_nonfinite=True)
   got, state = run(optax_lamb.lamb(1e-2, implementation=implementation, **kw), params, seq)
   ref = NumpyLamb(1e-2, **kw)
-  want = {k: np.asarray(v, np.float64) for k, v in params.items()}
-  for g in seq:
-    want = ref.step(want, g)
-  for k in params:
-    np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, atol=1e-6)
+  assert_near_reference(got, reference_run(ref, params, seq))
   assert int(optax_lamb.skip_counts(state).total) == ref.skipped == 2
