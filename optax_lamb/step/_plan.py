@@ -173,6 +173,15 @@ def _narrow(stored: Any, grad: Any) -> bool:
   return isinstance(stored, QuantizedMoment) or jnp.dtype(stored.dtype) != _leaf.compute_dtype(grad)
 
 
+def _moment_switches(m: Any, v: Any, grad: Any, guard: bool) -> dict[str, bool]:
+  """A leaf's `LeafPlan.narrow_moments` and `nu_as_computed` from its stored moments."""
+  narrow_m, narrow_v = _narrow(m, grad) or guard, _narrow(v, grad) or guard
+  return {
+    "narrow_moments": narrow_m or narrow_v,
+    "nu_as_computed": narrow_m and not narrow_v and not isinstance(m, QuantizedMoment),
+  }
+
+
 def step_scalars(config: LambConfig, parts: LambStateParts, grads: Any, names: list) -> tuple:
   """(the step's `StepScalars`, its count t, the decay and learning-rate states after it, the
   clipping's global norm or None)."""
@@ -226,18 +235,18 @@ def plan_step(
       stacked_axes=axes[i],
       axis_name=names[i],
       ratio_offset=layout.offsets[i],
-      narrow_moments=_narrow(ms[i], gs[i].dtype) or _narrow(vs[i], gs[i].dtype) or guard,
-      nu_as_computed=_narrow(ms[i], gs[i].dtype)
-      and not (_narrow(vs[i], gs[i].dtype) or guard or isinstance(ms[i], QuantizedMoment)),
+      **_moment_switches(ms[i], vs[i], gs[i].dtype, guard),
     )
     for i, p in enumerate(ps)
   )
   skipping = None
   if rule is not None:
     limits, h = _leaf.overflow_limits(nu_dtype, vs), config.hyper
-    if not _checks.clip_keeps_below(h.max_grad_norm, h.clip_norm_eps, limits):
-      clip_norm = None  # no clipping, or one that may leave a finite gradient too large
-    ok = _checks.gradients_ok(gs, scalars.clip_factor, limits, names, clipped_by=clip_norm)
+    # The clipping norm decides where clipping keeps every finite gradient under its limit.
+    keeps = _checks.clip_keeps_below(h.max_grad_norm, h.clip_norm_eps, limits)
+    ok = _checks.gradients_ok(
+      gs, scalars.clip_factor, limits, names, clipped_by=clip_norm if keeps else None
+    )
     fine = ok if rule.verdict is None else _decision.passes(ok, rule.verdict)
     consecutive, take = _decision.decide(fine, rule.consecutive, rule.max_errors)
     scalars, skipping = scalars._replace(take=take), Skipping(ok, consecutive)

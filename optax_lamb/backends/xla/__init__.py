@@ -13,9 +13,10 @@ XLA would give several param-sized intermediates, reading each leaf many times).
 
 An `optimization_barrier` between the passes keeps u a recomputation, not a stored copy. Moments
 stored narrower than computed: pass 2 recomputes them from the old ones (u never sees their
-rounding; a float32 v beside a narrow m is written in pass 1, `nu_as_computed`). The smallest leaves, `materialize_u_max_size` elements in all, keep u; on one device
-their sums come from zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us
-a call). Every formula is `_leaf`'s, every norm `_ratios`'.
+rounding; a float32 v beside a narrow m is written in pass 1, `nu_as_computed`). The smallest
+leaves, `materialize_u_max_size` elements in all, keep u; on one device their sums come from
+zero-padded rows (`slice_rows`: on XLA:CPU every reduction costs about 2 us a call). Every
+formula is `_leaf`'s, every norm `_ratios`'.
 
 Each leaf's passes are jitted functions of its arrays and the step's runtime scalars, their
 static facts (options, the leaf's shape and switches, the constant scalars) the cache key
