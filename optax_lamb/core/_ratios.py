@@ -5,10 +5,10 @@ Squared norms are accumulated in float32 (at least). A float32 sum of squares ov
 near 1e19 and underflows for elements near 1e-19; the same sum of (x s)^2 for s = 2^-80 (`DOWN`)
 stays finite for every float32 x, and for s = 2^64 (`UP`) keeps every normal x's square normal.
 `norm_from_sums` takes the plain sum unless it is `suspect`, then the scaled one: on the CPU
-computed only then (``lax.cond``); on other platforms, as by the Pallas kernels, all three in one
-pass (a conditional costs a GPU a host round trip: `per_platform`). A leaf sharded in
-``shard_map``/``pmap`` has its sums ``psum``'d over its axis names, one ``psum`` per name. A tree's
-ratios live in one vector (a slot per leaf or stacked slice), laid out by `RatioLayout`.
+computed only then (``lax.cond``; the global norm: a loop's second run); elsewhere, as by the
+Pallas kernels, all in one pass (control flow costs a GPU a host round trip: `per_platform`). A
+leaf sharded in ``shard_map``/``pmap`` has its sums ``psum``'d over its axis names, one ``psum``
+per name. A tree's ratios live in one vector (a slot per leaf or stacked slice): `RatioLayout`.
 """
 
 from __future__ import annotations
@@ -301,30 +301,17 @@ def _joined(
 
 
 def slot_sums(
-  layout: RatioLayout,
-  names: Sequence[Any],
-  param_sq: Sequence[jax.Array | None],
-  update_sq: Sequence[jax.Array | None],
-  rows: Sequence = (),
-  row_sums: Sequence = (),
+  layout: RatioLayout, names: Sequence, sq: Sequence, rows: Sequence = (), row_sums: Sequence = ()
 ) -> SlotSums:
-  """The slot vectors from per-leaf plain sums (`rows`, `row_sums`: `_joined`)."""
-  param, update = _joined(layout, names, [param_sq, update_sq], rows, row_sums)
-  return SlotSums(param, update)
+  """The slot vectors from per-leaf plain sums, `sq` (p's, u's; `rows`, `row_sums`: `_joined`)."""
+  return SlotSums(*_joined(layout, names, sq, rows, row_sums))
 
 
 def with_scaled_sums(
-  sums: SlotSums,
-  layout: RatioLayout,
-  names: Sequence[Any],
-  p_scaled: Sequence[jax.Array | None],
-  u_scaled: Sequence[jax.Array | None],
-  rows: Sequence = (),
-  row_sums: Sequence = (),
+  sums: SlotSums, layout: RatioLayout, names: Sequence[Any], scaled: Sequence
 ) -> SlotSums:
-  """`sums` with the per-leaf sums at `rescue_scale` (stacked shapes), summed alike."""
-  joined = _joined(layout, names, [p_scaled, u_scaled], rows, row_sums)
-  return sums._replace(scaled=tuple(joined))
+  """`sums` with `scaled` (p's and u's per-leaf sums at `rescue_scale`) summed alike."""
+  return sums._replace(scaled=tuple(_joined(layout, names, scaled, (), ())))
 
 
 def chosen_scaled(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
@@ -360,30 +347,43 @@ def ratio_vector(sums: SlotSums, s: StepScalars, adapted: Sequence[bool] | bool)
 
 def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
   """The norm of all `leaves` (each psum'd over its axis names, one psum per name), right for
-  every finite input. CPU: the plain sum, or where it overflowed (computed only then) the sum at
-  `DOWN` (small leaves on one device: `small_sums`); elsewhere the sums at `SCALES` in one
-  reduction per leaf, no conditional (`norm_from_sums`); a leaf's sums: jitted, traced per shape."""
+  every finite input: on the CPU `norm_in_a_loop` (small leaves on one device: `small_sums`; a
+  leaf's sum jitted, traced per shape), elsewhere `one_pass_global_norm` (no loop)."""
   joint = [name is None and one_device() for name in names]
   sq_of = jax.jit(sq_norm, static_argnames=("stacked_axes", "joint"))
 
-  def total(scale: float) -> jax.Array:
+  def total(xs: Sequence[jax.Array], scale: jax.Array) -> jax.Array:
     by_name: dict[Any, jax.Array] = {}  # the leaves of each axis name: one psum
-    for x, name, j in zip(leaves, names, joint, strict=True):
-      if scale != 1.0:  # in the conditional's branch, where x is already a buffer: free
-        # Each leaf's own scale: XLA:CPU stored one shared broadcast (NOTES.md, 2026-11-28).
-        s, x = jax.lax.optimization_barrier((jnp.asarray(scale, jnp.float32), x))
-      sq = sq_of(x, joint=j, scale=s) if scale != 1.0 else sq_of(x, joint=j)
-      by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq
+    for x, name, j in zip(xs, names, joint, strict=True):
+      s, x = jax.lax.optimization_barrier((scale, x))  # not one stored broadcast: NOTES 2026-11-28
+      by_name[name] = by_name.get(name, jnp.zeros((), jnp.float32)) + sq_of(x, joint=j, scale=s)
     return sum((_options.psum_if(t, n) for n, t in by_name.items()), jnp.zeros((), jnp.float32))
 
-  def on_cpu() -> jax.Array:
-    sq = total(1.0)
-    rescued = lambda: safe_sqrt(total(DOWN)) / DOWN
-    return jax.lax.cond(jnp.isinf(sq), rescued, lambda: safe_sqrt(sq))
-
+  cpu = functools.partial(norm_in_a_loop, total, list(leaves))
   return jax.lax.platform_dependent(
-    **per_platform(on_cpu, lambda: one_pass_global_norm(leaves, names))
+    **per_platform(cpu, lambda: one_pass_global_norm(leaves, names))
   )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def norm_in_a_loop(total: Callable, xs: list) -> jax.Array:
+  """sqrt(total(xs, 1)), or where that sum overflowed sqrt(total(xs, DOWN)) / DOWN (`total`: the
+  sum of (x scale)^2 over `xs`), from a loop whose body is `total` at a run-time scale, run again
+  only after an overflow: the sums are compiled once, not again in a conditional's branch
+  (XLA:CPU's compile time, NOTES.md 2026-12-03). x 1 is x: the plain sum bit for bit."""
+  scale = lambda run: jnp.where(run == 0, jnp.float32(1.0), jnp.float32(DOWN))
+  again = lambda c: jnp.logical_or(c[0] == 0, jnp.logical_and(c[0] == 1, jnp.isinf(c[1])))
+  body = lambda c: (c[0] + 1, total(xs, scale(c[0])))
+  zero = jnp.zeros((), jnp.result_type(jnp.float32, *(compute_dtype(x.dtype) for x in xs)))
+  runs, sq = jax.lax.while_loop(again, body, (jnp.int32(0), zero))
+  return scaled_norm(sq, scale(runs - 1))
+
+
+@norm_in_a_loop.defjvp
+def _norm_in_a_loop_jvp(total: Callable, primals: tuple, tangents: tuple) -> tuple:
+  """Outside the loop (reverse mode cannot transpose one), at its sum's scale: the sums again."""
+  scale = jnp.where(jnp.isinf(total(primals[0], jnp.float32(1.0))), DOWN, 1.0).astype(jnp.float32)
+  return jax.jvp(lambda xs: scaled_norm(total(xs, scale), scale), primals, tangents)
 
 
 def one_pass_global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:

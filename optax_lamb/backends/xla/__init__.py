@@ -246,7 +246,7 @@ def _ratios_of(
   o, s = plan.options, plan.scalars
   p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
   row_sums = _sums.rows_sq_sums(rows, layout)
-  sums = _ratios.slot_sums(layout, names, p_sq, u_sq, rows.members, row_sums)
+  sums = _ratios.slot_sums(layout, names, [p_sq, u_sq], rows.members, row_sums)
 
   def on_accelerator() -> tuple:
     slots = layout.offsets[-1]
