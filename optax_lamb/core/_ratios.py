@@ -303,15 +303,8 @@ def _joined(
 def slot_sums(
   layout: RatioLayout, names: Sequence, sq: Sequence, rows: Sequence = (), row_sums: Sequence = ()
 ) -> SlotSums:
-  """The slot vectors from per-leaf plain sums, `sq` (p's, u's; `rows`, `row_sums`: `_joined`)."""
+  """The slot vectors from per-leaf sums, `sq` (p's, u's; `rows`, `row_sums`: `_joined`)."""
   return SlotSums(*_joined(layout, names, sq, rows, row_sums))
-
-
-def with_scaled_sums(
-  sums: SlotSums, layout: RatioLayout, names: Sequence[Any], scaled: Sequence
-) -> SlotSums:
-  """`sums` with `scaled` (p's and u's per-leaf sums at `rescue_scale`) summed alike."""
-  return sums._replace(scaled=tuple(_joined(layout, names, scaled, (), ())))
 
 
 def chosen_scaled(plain: jax.Array, down: jax.Array, up: jax.Array) -> jax.Array:
@@ -367,23 +360,29 @@ def global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def norm_in_a_loop(total: Callable, xs: list) -> jax.Array:
-  """sqrt(total(xs, 1)), or where that sum overflowed sqrt(total(xs, DOWN)) / DOWN (`total`: the
-  sum of (x scale)^2 over `xs`), from a loop whose body is `total` at a run-time scale, run again
-  only after an overflow: the sums are compiled once, not again in a conditional's branch
-  (XLA:CPU's compile time, NOTES.md 2026-12-03). x 1 is x: the plain sum bit for bit."""
+  """sqrt(total(xs, 1)), or after that overflowed sqrt(total(xs, DOWN)) / DOWN (`total`: the sum
+  of (x scale)^2 over `xs`), from `_sum_in_a_loop`: XLA:CPU compiles the sums once, not again in
+  a conditional's branch (NOTES.md 2026-12-03)."""
+  return scaled_norm(*_sum_in_a_loop(total, xs))
+
+
+def _sum_in_a_loop(total: Callable, xs: list) -> tuple[jax.Array, jax.Array]:
+  """The sum and its scale from a loop whose body is `total` at a run-time scale, run again
+  only after an overflow. x 1 is x: the plain sum bit for bit."""
   scale = lambda run: jnp.where(run == 0, jnp.float32(1.0), jnp.float32(DOWN))
   again = lambda c: jnp.logical_or(c[0] == 0, jnp.logical_and(c[0] == 1, jnp.isinf(c[1])))
   body = lambda c: (c[0] + 1, total(xs, scale(c[0])))
   zero = jnp.zeros((), jnp.result_type(jnp.float32, *(compute_dtype(x.dtype) for x in xs)))
   runs, sq = jax.lax.while_loop(again, body, (jnp.int32(0), zero))
-  return scaled_norm(sq, scale(runs - 1))
+  return sq, scale(runs - 1)
 
 
 @norm_in_a_loop.defjvp
 def _norm_in_a_loop_jvp(total: Callable, primals: tuple, tangents: tuple) -> tuple:
-  """Outside the loop (reverse mode cannot transpose one), at its sum's scale: the sums again."""
-  scale = jnp.where(jnp.isinf(total(primals[0], jnp.float32(1.0))), DOWN, 1.0).astype(jnp.float32)
-  return jax.jvp(lambda xs: scaled_norm(total(xs, scale), scale), primals, tangents)
+  """The loop's norm; the tangent outside it (reverse mode cannot transpose one), at its scale."""
+  sq, scale = _sum_in_a_loop(total, *primals)
+  d_sq = jax.jvp(lambda xs: total(xs, scale), primals, tangents)[1]
+  return jax.jvp(lambda t: scaled_norm(t, scale), (sq,), (d_sq,))
 
 
 def one_pass_global_norm(leaves: Sequence[jax.Array], names: Sequence[Any]) -> jax.Array:

@@ -189,7 +189,7 @@ def ratio_vector(
       for p, u, ps_, us_, k, a in zip(ps, us, p_scales, u_scales, axes, adapts, strict=True)
     ]
     p_scaled, u_scaled = [x[0] for x in scaled], [x[1] for x in scaled]
-    exact = _ratios.with_scaled_sums(sums, layout, names, [p_scaled, u_scaled])
+    exact = sums._replace(scaled=_ratios.slot_sums(layout, names, [p_scaled, u_scaled])[:2])
     return _ratios.ratio_vector(exact, s, adapted)
 
   def on_accelerator() -> jax.Array:

@@ -1,5 +1,7 @@
-"""Counting a jaxpr's matrix multiplications (the pretraining FLOP model's tests)."""
+"""Counting in a jaxpr: its matrix multiplications (the pretraining FLOP model's tests) and its
+reductions (how many times a step reads its arrays)."""
 
+import jax
 import numpy as np
 
 
@@ -17,3 +19,17 @@ def dot_flops(jaxpr) -> int:
       if hasattr(inner, "eqns"):
         total += times * dot_flops(inner)
   return int(total)
+
+
+def reductions(jaxpr, in_loop: bool = False) -> tuple[int, int, int]:
+  """(while loops, reductions inside one, reductions outside any) in ``jaxpr``, each sub-jaxpr
+  (a call, a branch, a loop body) counted once where it appears."""
+  loops = inside = outside = 0
+  for eqn in jaxpr.eqns:
+    is_reduction = eqn.primitive.name.startswith("reduce_") or eqn.primitive.name == "reduce"
+    inside, outside = inside + (is_reduction and in_loop), outside + (is_reduction and not in_loop)
+    loops += eqn.primitive.name == "while"
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      counts = reductions(sub, in_loop or eqn.primitive.name == "while")
+      loops, inside, outside = loops + counts[0], inside + counts[1], outside + counts[2]
+  return loops, inside, outside

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from helpers.implementations import lamb_for
+from helpers.jaxprs import reductions
 from helpers.lamb_reference import NumpyLamb
 
 import optax_lamb
@@ -79,19 +80,6 @@ def test_clip_by_global_norm_of_gradients_near_1e20_has_norm_one(rng, device_cou
   np.testing.assert_allclose(norm, 1.0, rtol=1e-6)
 
 
-def _reductions_in_and_out_of_loops(jaxpr, in_loop: bool = False) -> tuple[int, int, int]:
-  """(while loops, reductions inside one, reductions outside any) in `jaxpr` and its sub-jaxprs."""
-  loops = inside = outside = 0
-  for eqn in jaxpr.eqns:
-    is_reduction = eqn.primitive.name.startswith("reduce_") or eqn.primitive.name == "reduce"
-    inside, outside = inside + (is_reduction and in_loop), outside + (is_reduction and not in_loop)
-    loops += eqn.primitive.name == "while"
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      counts = _reductions_in_and_out_of_loops(sub, in_loop or eqn.primitive.name == "while")
-      loops, inside, outside = loops + counts[0], inside + counts[1], outside + counts[2]
-  return loops, inside, outside
-
-
 def test_the_cpus_clipping_norm_sums_each_gradient_in_one_place(monkeypatch):
   """On the CPU the clipping norm's rescue (the sums at 2^-80 after an overflow, tested above)
   is a second run of the plain sums' loop, not a copy of them in a conditional's branch, which
@@ -101,7 +89,7 @@ def test_the_cpus_clipping_norm_sums_each_gradient_in_one_place(monkeypatch):
   grads = {"a": jnp.ones((n,)), "b": jnp.ones((3, n)), "c": jnp.ones((2, n // 2 + 1))}
   tx = optax_lamb.clip_by_global_norm(1.0)
   jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(grads)).jaxpr
-  loops, inside, outside = _reductions_in_and_out_of_loops(jaxpr)
+  loops, inside, outside = reductions(jaxpr)
   assert loops >= 1 and inside == loops * len(grads) and outside == 0, (loops, inside, outside)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from helpers.asserts import FEW_ROUNDINGS, assert_trees_close, assert_trees_equal
+from helpers.jaxprs import reductions
 from helpers.lamb_reference import NumpyLamb
 from helpers.trees import random_tree
 
@@ -442,15 +443,6 @@ def test_check_results_skips_a_finite_step_that_would_overflow_the_moments(imple
     assert int(optax_lamb.skip_counts(state).consecutive) == 0
 
 
-def _reductions(jaxpr) -> int:
-  """Reductions in a jaxpr, those of its sub-jaxprs (calls, branches) counted once each."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name.startswith("reduce_") or eqn.primitive.name == "reduce"
-    n += sum(_reductions(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-  return n
-
-
 def test_clipped_skip_reads_the_gradients_no_more_than_the_clip(rng):
   """With max_grad_norm, lamb(skip_nonfinite=True) decides from the clipping norm it already
   has (finite gradients clip to at most max_grad_norm, under every overflow threshold): not
@@ -459,7 +451,8 @@ def test_clipped_skip_reads_the_gradients_no_more_than_the_clip(rng):
 
   def count(**kw):
     tx = optax_lamb.lamb(1e-2, implementation="xla", **kw)
-    return _reductions(jax.make_jaxpr(tx.update)(grads, tx.init(params), params).jaxpr)
+    _, inside, outside = reductions(jax.make_jaxpr(tx.update)(grads, tx.init(params), params).jaxpr)
+    return inside + outside
 
   assert count(max_grad_norm=1.0, skip_nonfinite=True) == count(max_grad_norm=1.0)
   assert count(skip_nonfinite=True) > count()
