@@ -76,14 +76,41 @@ def test_chunked_sums_give_the_plain_reductions_step(skip_nonfinite, rng):
     state, params = s_ref, optax.apply_updates(params, u_ref)
 
 
+@pytest.mark.parametrize(
+  ("param_scale", "grad_scale"),
+  [(1e20, 1.0), (1e-20, 1e-26)],
+  ids=["params' squares overflow", "params' and updates' squares underflow"],
+)
+def test_the_loops_second_run_rescues_the_sums_as_the_plain_step_does(param_scale, grad_scale, rng):
+  """Where a plain sum over- or underflows float32, the loop runs again at the rescue scale
+  (`_chunked_sums.plain_then_rescued`) and the step equals the one whose rescue branch sums the
+  whole leaf: the same ratios and updates to a few roundings. Without that second run the
+  params' norms would be infinite (ratios not finite), and subnormal squares would be lost."""
+  chunked, plain = lamb(XlaBackend(chunked_sums=1500)), lamb(XlaBackend(chunked_sums=0))
+  params = tree(rng)
+  state = plain.init(params)
+  for scale in (1.0, param_scale):  # the params scaled in the second step
+    params = jax.tree.map(lambda p, scale=scale: p * scale, params)
+    grads = tree(rng, grad_scale)
+    (u, s), (u_ref, s_ref) = (jax.jit(tx.update)(grads, state, params) for tx in (chunked, plain))
+    ratios, ratios_ref = (optax_lamb.trust_ratios(x) for x in (s, s_ref))
+    for k in SHAPES:
+      assert np.all(np.isfinite(ratios_ref[k])), k
+      np.testing.assert_allclose(ratios[k], ratios_ref[k], rtol=8 * EPS32, err_msg=k)
+      atol = 8 * EPS32 * float(jnp.max(jnp.abs(u_ref[k])))
+      np.testing.assert_allclose(u[k], u_ref[k], rtol=8 * EPS32, atol=atol, err_msg=k)
+    state = s_ref
+
+
 def test_8bit_leaves_of_two_axes_or_more_take_the_loop():
-  """A loop per such leaf (either moment 8-bit); 1-D, empty and float32 leaves, or 0, none."""
+  """Two nested loops per such leaf (either moment 8-bit): its runs (plain, then rescued only
+  where suspect) and the chunks; 1-D, empty and float32 leaves, or 0, none."""
   assert _chunked_sums.applies((1000, 16), 0) and _chunked_sums.applies((3, 8, 256), 1)
   assert not _chunked_sums.applies((5000,), 0) and not _chunked_sums.applies((3, 256), 1)
   assert not _chunked_sums.applies((0, 16), 0)
-  assert loops(XlaBackend(chunked_sums=1500)) == 4  # w, tail, stack, cube
+  assert loops(XlaBackend(chunked_sums=1500)) == 2 * 4  # w, tail, stack, cube
   assert loops(XlaBackend(chunked_sums=0)) == 0
-  assert loops(XlaBackend(chunked_sums=1500), mu_dtype=jnp.float32) == 4  # one moment 8-bit
+  assert loops(XlaBackend(chunked_sums=1500), mu_dtype=jnp.float32) == 2 * 4  # one moment 8-bit
 
 
 def test_on_one_cpu_device_auto_chunks_the_8bit_leaves():
@@ -91,8 +118,8 @@ def test_on_one_cpu_device_auto_chunks_the_8bit_leaves():
   mesh) in the program for a CPU; not for float32 moments, nor in a GPU's (one trace serves
   both: `_ratios.per_platform`)."""
   one_device = XlaBackend(joint_small_sums=True)
-  assert loops(one_device) == 4
-  assert loops(one_device, fused=True) == 4
+  assert loops(one_device) == 2 * 4
+  assert loops(one_device, fused=True) == 2 * 4
   assert loops(XlaBackend(joint_small_sums=False)) == 0  # several devices: a mesh may shard
   assert loops(one_device, mu_dtype=jnp.float32, nu_dtype=jnp.float32) == 0
   assert loops(one_device, platform="cuda") == 0

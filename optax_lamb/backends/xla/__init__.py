@@ -97,7 +97,7 @@ class XlaBackend(fields.Checked):
     leaves = [x._replace(v=f.v) if n else x for x, f, n in zip(leaves, firsts, new_v, strict=True)]
     small = {i: (f.p, f.u) for i, f in enumerate(firsts) if f.p_sq is None}
     rows = _sums.slice_rows(small, {i: plan.leaves[i].stacked_axes for i in small})
-    ratios, pieces = _ratios_of(plan, leaves, firsts, rows, joint)
+    ratios, pieces = _ratios_of(plan, leaves, firsts, rows, joint, chunks)
     seconds = [
       _pass2(o, s, leaf, x, f, ratio, apply=apply)
       for leaf, x, f, ratio in zip(plan.leaves, leaves, firsts, pieces, strict=True)
@@ -149,7 +149,7 @@ class _Pass1(NamedTuple):
   u: jax.Array | None  # kept for the update (small leaves), else recomputed in pass 2
   kept: jax.Array | None  # caution's kept fraction per slice (None without caution)
   p: jax.Array | None = None  # the params the norm is of, where u is kept (the sums come later)
-  # off the CPU, the sums at `_ratios.DOWN` and `UP`: (p's, u's) at DOWN, (p's, u's) at UP
+  # (p's, u's) at `_ratios.DOWN`, then at `UP`, off the CPU; from the chunks' loop, rescued (both)
   scaled: tuple[jax.Array, ...] | None = None
 
 
@@ -174,8 +174,8 @@ def _pass1(
   chunks: int,
 ) -> _Pass1:
   """Pass 1 of one leaf; a kept u's sums are left to the rows (None) when `in_rows`. On the CPU
-  the plain sums, 8-bit moments' from a loop over `chunks` elements at a time (0: not); on
-  other platforms the sums at `_ratios.SCALES` in the same reduction (no loop)."""
+  the plain sums (`_in_chunks`: from a loop over `chunks` elements, its rescued sums in `scaled`);
+  on other platforms the sums at `_ratios.SCALES` in the same reduction (no loop)."""
   m_c, v_c = _leaf.moments(x.g, x.m, x.v, o, s, p=x.p, decay=leaf.decay)
   m, v = _leaf.stored_moments(m_c, v_c, x.m, x.v, x.p, o, s, decay=leaf.decay)
   if not leaf.narrow_moments:  # u from the moments as stored (kept where skipped): the old ones
@@ -193,40 +193,25 @@ def _pass1(
   if not leaf.adapt:
     zeros = jnp.zeros(leaf.shape[:k], jnp.float32)
     return _Pass1(m, v, m_c, v_c, zeros, zeros, None, kept, scaled=(zeros,) * 4)
-  quantized = any(isinstance(y, _moment_storage.QuantizedMoment) for y in (x.m, x.v))
-  loop = chunks and quantized and not (keep_u or o.caution) and _chunked_sums.applies(leaf.shape, k)
   u = _direction(o, s, leaf, x, m_c, v_c, x.p, kept)  # the loop's program leaves it unused
   p = _leaf.ratio_params(x.p, o, s, decay=leaf.decay)
   if keep_u and in_rows:  # small leaf: computing u once and keeping it beats computing it twice
     return _Pass1(m, v, m_c, v_c, None, None, u, kept, p)
   partials = 1 if keep_u else _ratios.PARTIALS  # u in memory: a plain reduction per sum
+  blocks: dict[str, Any] = {"stacked_axes": k, "partial_count": partials, "joint": joint}
 
   def on_cpu() -> tuple:
-    sums: tuple[jax.Array, ...]
-    if loop:
-      sums = _chunked_sums.norm_sums(
+    if _in_chunks(o, leaf, x, chunks, keep_u):  # and the rescued sums, in both places
+      p_sq, u_sq, *rescued = _chunked_sums.norm_sums(
         x, o, s, decay=leaf.decay, stacked_axes=k, chunk_elements=chunks
       )
-    else:
-      sums = _ratios.leaf_sq_sums(
-        p,
-        u,
-        stacked_axes=k,
-        partial_count=partials,
-        joint=joint,
-        columns=_ratios.column_blocks("cpu"),
-      )
+      return p_sq, u_sq, *rescued, *rescued
+    sums = _ratios.leaf_sq_sums(p, u, columns=_ratios.column_blocks("cpu"), **blocks)
     return (*sums, *(jnp.zeros_like(a) for a in sums), *(jnp.zeros_like(a) for a in sums))
 
   def on_accelerator() -> tuple:
     p1, p_down, p_up, u1, u_down, u_up = _ratios.leaf_sq_sums(
-      p,
-      u,
-      stacked_axes=k,
-      scales=_ratios.opaque_scales(),
-      partial_count=partials,
-      joint=joint,
-      columns=_ratios.column_blocks("cuda"),
+      p, u, scales=_ratios.opaque_scales(), columns=_ratios.column_blocks("cuda"), **blocks
     )
     return p1, u1, p_down, u_down, p_up, u_up
 
@@ -235,13 +220,18 @@ def _pass1(
 
 
 def _ratios_of(
-  plan: StepPlan, leaves: list[LeafArrays], firsts: list[_Pass1], rows: _sums.SliceRows, joint: bool
+  plan: StepPlan,
+  leaves: list[LeafArrays],
+  firsts: list[_Pass1],
+  rows: _sums.SliceRows,
+  joint: bool,
+  chunks: int,
 ) -> tuple[jax.Array, list[jax.Array]]:
   """The ratio vector and its per-leaf pieces; where a plain sum is suspect, from the sums at the
   rescue scales: on the CPU computed only then from few operands (the small leaves' rows, the
-  others' new moments and params), each leaf's ratio from its own sums (`_sums`: one
-  kernel per leaf shape); elsewhere pass 1's sums at both scales (and the rows' at both), chosen
-  per slot, the pieces sliced from the vector."""
+  others' new moments and params; those of leaves summed `_in_chunks` pass 1 gave), each leaf's
+  ratio from its own sums (`_sums`: one kernel per leaf shape); elsewhere pass 1's sums at both
+  scales (and the rows' at both), chosen per slot, the pieces sliced from the vector."""
   names, adapted, layout = plan.leaf_names, plan.adapted_slots, plan.layout
   o, s = plan.options, plan.scalars
   p_sq, u_sq = [f.p_sq for f in firsts], [f.u_sq for f in firsts]  # None: in the rows
@@ -269,6 +259,8 @@ def _ratios_of(
       scaled = [
         (None, None)
         if f.p_sq is None
+        else f.scaled[:2]
+        if _in_chunks(o, leaf, x, chunks, keep_u=f.u is not None)
         else _scaled_sums(o, s, leaf, x, f, p_scale, u_scale, joint=joint)
         for leaf, x, f, p_scale, u_scale in zip(plan.leaves, leaves, firsts, *scales, strict=True)
       ]
@@ -285,6 +277,14 @@ def _ratios_of(
 
   vector, pieces = jax.lax.platform_dependent(**_ratios.per_platform(on_cpu, on_accelerator))
   return vector, list(pieces)
+
+
+def _in_chunks(o: LambOptions, leaf: LeafPlan, x: LeafArrays, chunks: int, keep_u: bool) -> bool:
+  """Whether pass 1 sums the leaf in `_chunked_sums`' loop over `chunks` elements (0: never):
+  an adapted leaf with an 8-bit moment, u not kept in memory, no caution, rows to chunk."""
+  quantized = any(isinstance(y, _moment_storage.QuantizedMoment) for y in (x.m, x.v))
+  plain = quantized and leaf.adapt and not (keep_u or o.caution)
+  return bool(chunks) and plain and _chunked_sums.applies(leaf.shape, leaf.stacked_axes)
 
 
 @traced_once
